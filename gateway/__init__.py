@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI-compatible HTTP front door (aiohttp, no torch)."""

@@ -1,0 +1,1 @@
+"""The `jitney` command line."""

@@ -1,0 +1,58 @@
+"""The one console script, `jitney`, with a subcommand per part of the system.
+
+Every option can also come from the environment: `--kv-blocks` reads `JITNEY_KV_BLOCKS`
+(command-line flags win). Subcommand modules are imported only when chosen, so
+`jitney simulate` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> (module under jitney.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("simulate", "compare static, dynamic and continuous batching on a step simulator"),
+}
+
+
+def env_var_for(option: str) -> str:
+    return "JITNEY_" + option.lstrip("-").replace("-", "_").upper()
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Let JITNEY_<OPTION> set any option's default, converted by the option's own type."""
+    for action in parser._actions:
+        long_opts = [o for o in action.option_strings if o.startswith("--")]
+        if not long_opts or action.dest == "help":
+            continue
+        value = os.environ.get(env_var_for(long_opts[0]))
+        if value is None:
+            continue
+        if action.nargs == 0:  # store_true / store_false
+            action.default = value.strip().lower() in {"1", "true", "yes", "on"}
+        else:
+            action.default = action.type(value) if action.type else value
+        action.required = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jitney", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"jitney.commands.{module}").add_arguments(p)
+        apply_env_defaults(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(f"jitney.commands.{COMMANDS[args.command][0]}")
+    return module.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Scheduler configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    # Slots: the most sequences in one batch (the batch size of static and dynamic batching).
+    max_num_seqs: int = 8
+    # Per-step token budget: decode tokens count one each, prefill chunks share what is left.
+    max_num_batched_tokens: int = 2048
+    # Dynamic batching: launch a partial batch once its oldest request has waited this long
+    # (same clock as arrival times: seconds in the worker, steps in the simulator).
+    max_queue_delay: float = 0.0
+    # Reserve prompt + max_tokens of KV at admission, so nothing is ever preempted.
+    reserve_full_length: bool = False
+    # A sequence preempted this many times is no longer chosen as a victim while others exist.
+    max_preemptions_per_seq: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_queue_delay < 0:
+            raise ValueError(f"max_queue_delay must be >= 0, got {self.max_queue_delay}")
+        if self.max_preemptions_per_seq < 1:
+            raise ValueError(
+                f"max_preemptions_per_seq must be >= 1, got {self.max_preemptions_per_seq}"
+            )

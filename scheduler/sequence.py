@@ -1,0 +1,147 @@
+"""A request's token sequence and its state machine.
+
+A `Sequence` is one generation request as the scheduler sees it: prompt tokens, the tokens generated
+so far, and how many of them are already computed into the KV cache. Every step model in Jitney is
+the same catch-up rule: a step computes `num_tokens - num_computed_tokens` tokens (or a chunk of
+them). Prefill, chunked prefill, prefix-cache hits and recompute after preemption are all that rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.IntEnum):
+    """Lifecycle states. Everything greater than PREEMPTED is terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    # Back in the waiting queue (at its front) with its KV blocks freed; recomputed on readmission.
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+_S = SequenceStatus
+# The only legal moves. PREEMPTED -> WAITING is not listed: a preempted sequence waits *as*
+# PREEMPTED so that stats and logs can tell a recompute from a first admission.
+_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    _S.RUNNING: frozenset(
+        {_S.PREEMPTED, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED}
+    ),
+    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A status change the state machine does not allow: always a scheduler bug."""
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingLimits:
+    """The stop conditions the scheduler itself can check (stop *strings* need text: worker)."""
+
+    max_tokens: int
+    # User stop ids plus EOS unless the request set ignore_eos: the caller builds the one set.
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: str
+    prompt_token_ids: list[int]
+    limits: SamplingLimits
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens [0, num_computed_tokens) have their K/V in the cache.
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    # Prompt tokens served from the prefix cache at the latest admission.
+    num_cached_tokens: int = 0
+    # Set when the sequence is first scheduled / reaches a terminal state (same clock as arrival).
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"sequence {self.seq_id!r} has an empty prompt")
+
+    @classmethod
+    def create(
+        cls,
+        seq_id: str,
+        prompt_token_ids: SequenceABC[int],
+        max_tokens: int,
+        arrival_time: float = 0.0,
+        stop_token_ids: SequenceABC[int] = (),
+    ) -> Sequence:
+        limits = SamplingLimits(max_tokens, frozenset(stop_token_ids))
+        return cls(seq_id, list(prompt_token_ids), limits, arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens whose K/V this sequence can ever need (the last sample is never fed)."""
+        return self.num_prompt_tokens + self.limits.max_tokens - 1
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+
+    def set_status(self, new: SequenceStatus) -> None:
+        """The one place a status changes."""
+        if new not in _TRANSITIONS.get(self.status, frozenset()):
+            raise IllegalTransitionError(f"{self.seq_id}: {self.status.name} -> {new.name}")
+        self.status = new
+
+    def append_token(self, token_id: int) -> SequenceStatus | None:
+        """Record a sampled token; return the terminal status it causes, if any."""
+        self.output_token_ids.append(token_id)
+        if token_id in self.limits.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.limits.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

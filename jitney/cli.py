@@ -15,6 +15,8 @@ import sys
 # name -> (module under jitney.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("simulate", "compare static, dynamic and continuous batching on a step simulator"),
+    "generate": ("generate", "run the engine offline on a few prompts"),
+    "bench": ("bench", "benchmarks: `jitney bench offline` (engine vs transformers baselines)"),
 }
 
 
@@ -25,6 +27,10 @@ def env_var_for(option: str) -> str:
 def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
     """Let JITNEY_<OPTION> set any option's default, converted by the option's own type."""
     for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                apply_env_defaults(subparser)
+            continue
         long_opts = [o for o in action.option_strings if o.startswith("--")]
         if not long_opts or action.dest == "help":
             continue

@@ -1,0 +1,1 @@
+"""Benchmarks: baselines and offline/online comparisons against the Jitney engine."""

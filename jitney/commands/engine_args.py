@@ -1,0 +1,86 @@
+"""The engine flags, shared by every command that runs a model (generate, bench, worker, up)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from scheduler import POLICIES
+
+if TYPE_CHECKING:
+    from worker.config import EngineConfig
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="smollm2-135m (default), tiny-random, a Hugging Face model directory, or a .gguf file",
+    )
+    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on cuda, float32 on cpu",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        metavar="BYTES",
+        help="KV cache budget, e.g. 2GiB (default: cpu 1GiB; cuda: free memory × "
+        "--gpu-memory-utilization after loading the model)",
+    )
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--batching", choices=sorted(POLICIES), default="continuous")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="batch slots")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="per-step token budget (decodes + prefill chunks)",
+    )
+    g.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=0.05,
+        help="dynamic batching: seconds the oldest request may wait for a full batch",
+    )
+    g.add_argument(
+        "--reserve",
+        action="store_true",
+        help="reserve prompt + max_tokens of KV at admission (never preempt)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context window (default: the model's, capped to the KV cache)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--cache-dir", default=None, help="converted-model cache (JITNEY_CACHE_DIR)")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    from worker.config import EngineConfig  # imported late: torch loads only when needed
+
+    fields = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        batching=args.batching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue_delay=args.max_queue_delay,
+        reserve_full_length=args.reserve,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        cache_dir=args.cache_dir,
+    )
+    fields.update(overrides)
+    return EngineConfig(**fields)  # type: ignore[arg-type]

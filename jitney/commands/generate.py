@@ -1,0 +1,60 @@
+"""`jitney generate`: run the engine offline on a few prompts and print the answers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="+", help="user messages (chat template applied) or raw text")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from worker.engine import Engine
+    from worker.sampling import SamplingParams
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    engine = Engine(engine_config_from_args(args), progress=progress)
+    tok = engine.loaded.tokenizer
+    if args.raw:
+        prompts = [tok.encode(p) for p in args.prompts]
+    else:
+        prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            for p in args.prompts
+        ]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, res in zip(args.prompts, results, strict=True):
+        print(f"### {prompt}\n{res.text}\n[{len(res.token_ids)} tokens, {res.finish_reason}]\n")
+    total = sum(len(r.token_ids) for r in results)
+    print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return 0

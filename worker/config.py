@@ -1,0 +1,65 @@
+"""The engine's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler import POLICIES, SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    # KV cache budget in bytes ("2GiB"). None: on CUDA a fraction of free memory, on CPU 1GiB.
+    kv_cache_memory: str | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    batching: str = "continuous"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue_delay: float = 0.05  # seconds; dynamic batching only
+    reserve_full_length: bool = False
+    max_model_len: int | None = None  # None: the model's, capped to what the KV cache holds
+    enable_prefix_caching: bool = True
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.batching not in POLICIES:
+            raise ValueError(f"batching must be one of {sorted(POLICIES)}, got {self.batching!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.scheduler_config()  # validates the scheduler's share
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_queue_delay=self.max_queue_delay,
+            reserve_full_length=self.reserve_full_length,
+        )

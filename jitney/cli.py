@@ -14,9 +14,12 @@ import sys
 
 # name -> (module under jitney.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("up", "run everything locally: Redis, a gateway and workers"),
     "simulate": ("simulate", "compare static, dynamic and continuous batching on a step simulator"),
     "generate": ("generate", "run the engine offline on a few prompts"),
     "bench": ("bench", "benchmarks: `jitney bench offline` (engine vs transformers baselines)"),
+    "worker": ("worker", "serve a model from the Redis request stream (one per GPU/CPU)"),
+    "gateway": ("gateway", "the OpenAI-compatible HTTP gateway (no torch; enqueues into Redis)"),
 }
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from scheduler import BatchingPolicy, KVBlockManager, SchedulerConfig, make_policy
+from tests.services import RedisServer
 
 
 @pytest.fixture
@@ -24,3 +25,11 @@ def make_scheduler() -> Iterator[Callable[..., BatchingPolicy]]:
     yield factory
     for kv in pools:
         kv.check_integrity()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server on a free port, owned (and killable) by the test."""
+    server = RedisServer().start()
+    yield server
+    server.close()

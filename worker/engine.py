@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler import KVBlockManager, Sequence, StepPlan, make_policy
+from scheduler import KVBlockManager, SchedulerStats, Sequence, StepPlan, make_policy
 from worker.capacity import KVCapacity, budget_bytes, plan_capacity
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
@@ -87,6 +87,31 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.capacity.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.model.get_input_embeddings().num_embeddings
+
+    # ----- state the service loop reads (admission control, metrics) -----------------------
+    @property
+    def stats(self) -> SchedulerStats:
+        """Filled by the scheduler when it plans a step; running/waiting are as planned."""
+        return self.policy.stats
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a batch slot now."""
+        return len(self.policy.slot_holders())
+
+    @property
+    def num_waiting(self) -> int:
+        """Added but not admitted (or preempted back to waiting)."""
+        return len(self.policy.waiting)
+
+    def first_scheduled_time(self, request_id: str) -> float | None:
+        """When the request was first scheduled (time.monotonic()), None if not yet or unknown."""
+        req = self.requests.get(request_id)
+        return None if req is None else req.seq.first_scheduled_time
 
     # ----- requests ------------------------------------------------------------------------
     def add_request(

@@ -84,3 +84,20 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
     )
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` as a command line, to start a worker with the same engine."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or value is None or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if action.nargs != 0:
+            argv += [flag, str(value)]
+        elif value:
+            argv.append(flag)
+    return argv

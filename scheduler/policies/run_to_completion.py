@@ -75,6 +75,7 @@ class StaticBatching(BatchingPolicy):
             budget -= num_new
 
     def _on_finished(self, done: list[Sequence], now: float) -> list[Sequence]:
+        # Also reached with `done` empty after an abort emptied the batch: the held members go.
         for seq in done:
             self.running.remove(seq)
         self._done_in_batch.extend(done)
@@ -85,12 +86,6 @@ class StaticBatching(BatchingPolicy):
             seq.finished_time = now  # the client gets it with the rest of the batch
             self._release(seq)
         return released
-
-    def abort(self, seq_id: str, now: float = 0.0) -> Sequence | None:
-        seq = super().abort(seq_id, now)
-        if seq is not None and not self.running and self._done_in_batch:
-            self._on_finished([], now)
-        return seq
 
     def has_unfinished(self) -> bool:
         return super().has_unfinished() or bool(self._done_in_batch)

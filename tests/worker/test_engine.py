@@ -208,3 +208,16 @@ def test_refuses_to_start_when_max_model_len_does_not_fit(loaded):
     """An explicit max_model_len larger than the KV cache stops start-up with the numbers."""
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         make_engine(loaded, block_size=4, kv_cache_memory=str(14 * 2048), max_model_len=100)
+
+
+def test_abort_under_static_batching_still_finishes_batch_mates(loaded):
+    """Aborting a static batch's last runner returns its finished batch-mates' final outputs."""
+    engine = make_engine(loaded, batching="static", max_num_seqs=2)
+    engine.add_request("short", list(range(5, 15)), greedy(1))
+    engine.add_request("long", list(range(5, 25)), greedy(40))
+    engine.step()
+    engine.step()
+    assert engine.abort("long").finish_reason == "abort"
+    finals = [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in finals] == [("short", "length")]
+    assert not engine.has_unfinished() and not engine.requests

@@ -1,0 +1,282 @@
+"""POST /v1/completions and /v1/chat/completions: validate, tokenize, admit, enqueue, reply.
+
+A request's life here, in order (nothing is enqueued until step 5; any error before it is a 4xx
+or 503 with nothing left behind):
+1. parse + validate the body (gateway.schema);           4. backlog bound (429, Retry-After);
+2. resolve the model (404), tokenize on the tokenizer     5. XADD the RequestMessage, then send
+   thread (chat template for chat);                          headers (stream) or wait (not);
+3. prompt + max_tokens within max_model_len (400);        6. relay replies until the final one.
+Leaving before the final reply (client gone, idle timeout, error) publishes a cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from gateway.errors import ApiError, bad_request, redis_unavailable
+from gateway.models import ServedModel
+from gateway.replies import InFlight
+from gateway.responses import DONE, KEEPALIVE, Kind, Responder, sse, usage
+from gateway.schema import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
+from gateway.service import Gateway
+from jitney.protocol import ReplyMessage, RequestMessage, SamplingFields
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+NORMAL_FINISH = frozenset({"stop", "length"})
+# A worker reports "expired" when it drops a request past its deadline; allow it this long.
+EXPIRY_GRACE_S = 5.0
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    received = time.monotonic()
+    gw = request.app[GATEWAY]
+    body = parse_json(await request.read())  # over client_max_size: 413 via the middleware
+    parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+    model = await gw.registry.resolve(parsed.model)
+    prompt_ids = await _prompt_ids(gw, model, parsed)
+    sampling = _sampling_fields(gw, model, parsed, len(prompt_ids))
+    await gw.backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
+
+    responder = Responder(kind, model.name, parsed.include_usage)
+    now = time.time()
+    timeout = gw.config.request_timeout
+    message = RequestMessage(
+        request_id=responder.request_id,
+        model=model.name,
+        prompt_token_ids=prompt_ids,
+        sampling=asdict(sampling),
+        reply_to=gw.reply_stream,
+        gateway_id=gw.config.gateway_id,
+        enqueue_time=now,
+        deadline=None if timeout is None else now + timeout,
+    )
+    in_flight = gw.router.register(responder.request_id, len(prompt_ids))
+    relay = _Relay(gw, in_flight, model, responder, len(prompt_ids), received)
+    enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
+    try:
+        try:
+            # NOTE: no MAXLEN here: trimming the request stream could delete unread requests.
+            entry_id = await gw.redis.xadd(gw.keys.requests, message.encode())
+            in_flight.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        except RedisError:
+            enqueued = False
+            gw.backlog.release()
+            raise redis_unavailable() from None
+        return await (relay.stream(request) if parsed.stream else relay.collect())
+    finally:
+        gw.router.unregister(responder.request_id)
+        if enqueued and not relay.finished:  # client gone, timeout, failure: stop the work
+            gw.cancel_later(responder.request_id)
+
+
+async def _prompt_ids(
+    gw: Gateway, model: ServedModel, parsed: CompletionRequest | ChatRequest
+) -> list[int]:
+    if isinstance(parsed, ChatRequest) or isinstance(parsed.prompt, str):
+        if isinstance(parsed, ChatRequest):
+            ids = await gw.registry.run(model.chat_ids, parsed.messages)
+        else:
+            ids = await gw.registry.run(model.encode, parsed.prompt)
+        if not ids:
+            raise bad_request("The prompt is empty after tokenization.", param=_param(parsed))
+        return ids
+    if max(parsed.prompt) >= model.vocab_size:
+        raise bad_request(
+            f"'prompt' holds token ids outside the vocabulary (size {model.vocab_size}).",
+            param="prompt",
+        )
+    return parsed.prompt
+
+
+def _param(parsed: CompletionRequest | ChatRequest) -> str:
+    return "messages" if isinstance(parsed, ChatRequest) else "prompt"
+
+
+def _sampling_fields(
+    gw: Gateway, model: ServedModel, parsed: CompletionRequest | ChatRequest, num_prompt: int
+) -> SamplingFields:
+    s = parsed.sampling
+    limit = model.card.max_model_len
+    param = _param(parsed)
+    max_tokens = s.max_tokens
+    if max_tokens is None:  # chat: as much as fits, capped; completions: OpenAI's 16
+        if isinstance(parsed, ChatRequest):
+            max_tokens = max(1, min(gw.config.chat_default_max_tokens, limit - num_prompt))
+        else:
+            max_tokens = gw.config.completion_default_max_tokens
+    if num_prompt + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
+            f"the completion). Please reduce the prompt or max_tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return SamplingFields(
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=s.stop,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def final_error(reply: ReplyMessage) -> ApiError:
+    """The HTTP error for a final reply that is not a normal finish."""
+    if reply.finish_reason == "expired":
+        return ApiError(
+            504,
+            "The request waited in the queue past its deadline and was dropped.",
+            type="timeout_error",
+            code="request_expired",
+        )
+    if reply.finish_reason == "abort":
+        return ApiError(
+            503,
+            reply.error or "The request was aborted by the server (e.g. a worker shut down).",
+            type="service_unavailable",
+            code="aborted",
+            headers={"Retry-After": "1"},
+        )
+    message = reply.error or "The request failed in the worker."
+    if reply.error_type == "invalid_request_error":
+        return ApiError(400, message, code="worker_rejected")
+    return ApiError(500, message, type="server_error", code="worker_error")
+
+
+def idle_timeout_error() -> ApiError:
+    return ApiError(
+        504,
+        "No reply from any worker in time; the request was cancelled.",
+        type="timeout_error",
+        code="reply_timeout",
+    )
+
+
+class _Relay:
+    """Moves one request's replies from its queue to the client, and remembers how it ended."""
+
+    def __init__(
+        self,
+        gw: Gateway,
+        in_flight: InFlight,
+        model: ServedModel,
+        responder: Responder,
+        num_prompt: int,
+        received: float,
+    ):
+        self.gw = gw
+        self.in_flight = in_flight
+        self.model = model
+        self.responder = responder
+        self.num_prompt = num_prompt
+        self.received = received
+        self.finished = False  # the final reply arrived
+        self.num_tokens = 0
+        self._first = True
+
+    def _wait_limit(self) -> float:
+        timeout = self.gw.config.request_timeout
+        if not self.in_flight.started and timeout is not None:
+            return timeout + EXPIRY_GRACE_S
+        return self.gw.config.reply_idle_timeout_s
+
+    async def next_reply(self, timeout: float) -> ReplyMessage:
+        # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the cancellation
+        # that a client disconnect delivers (gh-86296).
+        async with asyncio.timeout(timeout):
+            reply = await self.in_flight.queue.get()
+        if self._first:
+            self._first = False
+            self.gw.metrics.ttft.labels(self.model.name).observe(time.monotonic() - self.received)
+        self.num_tokens += len(reply.token_ids)
+        self.finished = reply.is_final
+        return reply
+
+    def usage(self, final: ReplyMessage) -> dict[str, Any]:
+        return usage(
+            final.prompt_tokens or self.num_prompt,
+            final.completion_tokens or self.num_tokens,
+            final.cached_tokens,
+        )
+
+    async def collect(self) -> web.Response:
+        parts: list[str] = []
+        while True:
+            try:
+                reply = await self.next_reply(self._wait_limit())
+            except TimeoutError:
+                raise idle_timeout_error() from None
+            parts.append(reply.text)
+            if reply.is_final:
+                break
+        if reply.finish_reason not in NORMAL_FINISH:
+            raise final_error(reply)
+        body = self.responder.body("".join(parts), reply.finish_reason or "stop", self.usage(reply))
+        return web.json_response(body, headers={"X-Request-Id": self.responder.request_id})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={**SSE_HEADERS, "X-Request-Id": self.responder.request_id}
+        )
+        r = self.responder
+        try:
+            await response.prepare(request)  # headers go out only now, after XADD returned
+            if r.kind == "chat":
+                await response.write(sse(r.chunk(role=True)))
+            await self._stream_replies(response)
+            await response.write(DONE)
+            await response.write_eof()
+        except ConnectionError:  # the client went away mid-write; the caller cancels
+            pass
+        return response
+
+    async def _stream_replies(self, response: web.StreamResponse) -> None:
+        r = self.responder
+        silent_s = 0.0
+        keepalive = self.gw.config.sse_keepalive_s
+        while True:
+            wait = min(keepalive, self._wait_limit() - silent_s)
+            try:
+                reply = await self.next_reply(max(wait, 0.0))
+            except TimeoutError:
+                silent_s += wait
+                if silent_s >= self._wait_limit():
+                    await response.write(sse(idle_timeout_error().body()))
+                    return
+                await response.write(KEEPALIVE)
+                continue
+            silent_s = 0.0
+            if reply.text:
+                await response.write(sse(r.chunk(reply.text)))
+            if not reply.is_final:
+                continue
+            if reply.finish_reason in NORMAL_FINISH:
+                await response.write(sse(r.chunk("", reply.finish_reason)))
+                if r.include_usage:
+                    await response.write(sse(r.usage_chunk(self.usage(reply))))
+            else:
+                await response.write(sse(final_error(reply).body()))
+            return

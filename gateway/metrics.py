@@ -1,0 +1,62 @@
+"""Gateway metrics on a private registry (several apps in one process, e.g. tests, never clash)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's TTFT buckets, so dashboards read alike.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "jitney_http_requests",
+            "HTTP requests answered, by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.http_in_flight = Gauge(
+            "jitney_http_in_flight", "HTTP requests being handled now", registry=r
+        )
+        self.queue_lag = Gauge(
+            "jitney_queue_lag",
+            "Request stream entries not yet delivered to any worker",
+            registry=r,
+        )
+        self.queue_pending = Gauge(
+            "jitney_queue_pending",
+            "Request stream entries delivered to a worker, not acked",
+            registry=r,
+        )
+        self.queued_prompt_tokens = Gauge(
+            "jitney_gateway_queued_prompt_tokens",
+            "Prompt tokens this gateway enqueued that no worker has started",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "jitney_gateway_time_to_first_token_seconds",
+            "Request received to first generated text, as the gateway sees it",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "jitney_gateway_rejected_requests",
+            "Requests refused before enqueueing, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.duplicate_replies = Counter(
+            "jitney_gateway_duplicate_replies",
+            "Reply messages dropped as duplicates (seq already delivered)",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,170 @@
+"""The reply demux: one reader task per gateway reads its reply stream and routes by request id.
+
+Invariants:
+- exactly one XREAD loop per process, whatever the number of in-flight requests (no polling);
+- per request, replies reach the handler in seq order with duplicates (seq already delivered)
+  dropped: delivery is at-least-once, e.g. after a worker reclaimed a dead worker's request;
+- everything read is trimmed away (XTRIM MINID past the last id read), so the stream stays short;
+- `queued_prompt_tokens` counts prompt tokens of requests no worker has started (no reply yet);
+- after a Redis outage, a request no worker had started whose entry is gone from the request
+  stream (Redis came back empty) ends with a final "abort": its client gets a clear 503 at once
+  instead of waiting for a reply that cannot come. Started ones go on: their worker still has
+  them and writes to the (recreated) reply stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.tasks import cancel_and_wait
+from jitney.protocol import ProtocolError, ReplyMessage
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+READ_COUNT = 512
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    request_id: str
+    prompt_tokens: int
+    queue: asyncio.Queue[ReplyMessage] = field(default_factory=asyncio.Queue)
+    next_seq: int = 0  # replies with seq < next_seq were delivered already
+    started: bool = False  # a reply arrived: a worker has it, it is no longer queued
+    entry_id: str | None = None  # its request stream entry, once XADD returned
+
+
+def next_stream_id(entry_id: str) -> str:
+    """The smallest id after `entry_id` (XTRIM MINID keeps ids >= its argument)."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+class ReplyRouter:
+    def __init__(self, redis: aioredis.Redis, stream: str, requests: str, block_ms: int):
+        self.redis = redis
+        self.stream = stream
+        self.requests = requests  # the request stream, to find requests lost in an outage
+        self.block_ms = block_ms
+        self._in_flight: dict[str, InFlight] = {}
+        self._last_id = "0-0"
+        self._task: asyncio.Task[None] | None = None
+        self.queued_prompt_tokens = 0
+        self.num_duplicates = 0
+        self.on_duplicate: Callable[[], None] = lambda: None  # metrics hook
+        self.num_orphans = 0  # replies for requests nobody waits for (client gone)
+        self.healthy = False  # the last read succeeded
+        self._outage = False  # a read failed since the last check for lost requests
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def register(self, request_id: str, prompt_tokens: int) -> InFlight:
+        entry = InFlight(request_id, prompt_tokens)
+        self._in_flight[request_id] = entry
+        self.queued_prompt_tokens += prompt_tokens
+        return entry
+
+    def unregister(self, request_id: str) -> None:
+        entry = self._in_flight.pop(request_id, None)
+        if entry is not None and not entry.started:
+            self.queued_prompt_tokens -= entry.prompt_tokens
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="jitney-reply-reader")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+
+    async def _run(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while True:
+            try:
+                if self._outage:
+                    await self._abort_lost()
+                    self._outage = False
+                await self._read_once()
+                self.healthy = True
+                backoff = BACKOFF_MIN_S
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as e:
+                if self.healthy:
+                    log.warning("reply reader: redis error %s; retrying", type(e).__name__)
+                self.healthy = False
+                self._outage = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+            except Exception:  # a bug must not silently stop every reply of this gateway
+                log.exception("reply reader: unexpected error; retrying")
+                await asyncio.sleep(BACKOFF_MAX_S)
+
+    async def _read_once(self) -> None:
+        result = await self.redis.xread(
+            {self.stream: self._last_id}, count=READ_COUNT, block=self.block_ms
+        )
+        if not result:
+            return
+        for _stream, entries in result:
+            for entry_id, fields in entries:
+                self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                self.dispatch(fields)
+        # Everything up to _last_id has been routed: drop it (exact MINID trim, a few entries).
+        await self.redis.xtrim(self.stream, minid=next_stream_id(self._last_id), approximate=False)
+
+    async def _abort_lost(self) -> None:
+        waiting = [e for e in self._in_flight.values() if not e.started and e.entry_id]
+        if not waiting:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in waiting:
+            pipe.xrange(self.requests, entry.entry_id, entry.entry_id, count=1)
+        found = await pipe.execute()
+        for entry, entries in zip(waiting, found, strict=True):
+            if not entries and not entry.started and entry.request_id in self._in_flight:
+                log.warning("request lost in a redis outage request_id=%s", entry.request_id)
+                lost = ReplyMessage(
+                    entry.request_id, entry.next_seq, finish_reason="abort",
+                    error="The request was lost while the queue (Redis) restarted; retry.",
+                )  # fmt: skip
+                self._deliver(entry, lost)
+
+    def dispatch(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            reply = ReplyMessage.decode(fields)
+        except ProtocolError as e:
+            log.warning("reply reader: dropped unreadable entry: %s", e)
+            return
+        entry = self._in_flight.get(reply.request_id)
+        if entry is None:
+            self.num_orphans += 1
+            return
+        if reply.seq < entry.next_seq:
+            self.num_duplicates += 1
+            self.on_duplicate()
+            return
+        if reply.seq > entry.next_seq:
+            log.warning(
+                "reply gap request_id=%s expected seq=%d got %d",
+                reply.request_id,
+                entry.next_seq,
+                reply.seq,
+            )
+        self._deliver(entry, reply)
+
+    def _deliver(self, entry: InFlight, reply: ReplyMessage) -> None:
+        entry.next_seq = reply.seq + 1
+        if not entry.started:
+            entry.started = True
+            self.queued_prompt_tokens -= entry.prompt_tokens
+        entry.queue.put_nowait(reply)

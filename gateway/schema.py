@@ -1,0 +1,305 @@
+"""Request validation: a JSON body becomes a typed request, or an ApiError naming the field.
+
+Only the shape is checked here; what needs the model (token ids in the vocabulary, prompt +
+max_tokens within the context window) is checked in `gateway.generate` after tokenizing.
+Unknown fields are ignored (clients send many optional OpenAI fields); known fields we cannot
+honour (logprobs, tools, n > 1, ...) are refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import bad_request
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STOP_STRINGS = 16
+_INT64 = 2**63
+
+
+@dataclass(slots=True)
+class Sampling:
+    max_tokens: int | None  # None: the route's default (see GatewayConfig)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    model: str | None
+    prompt: str | list[int]  # text, or token ids (checked against the vocabulary later)
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, str]]  # role + content (text parts joined)
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    def no_constants(name: str) -> Any:
+        raise ValueError("NaN and Infinity are not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
+        raise bad_request("The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
+    stream, include_usage = _stream(body)
+    return CompletionRequest(
+        model=_model(body),
+        prompt=_prompt(body.get("prompt")),
+        sampling=_sampling(body, _opt_int(body, "max_tokens", lo=1)),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    _refuse_unsupported(body, _CHAT_UNSUPPORTED)
+    stream, include_usage = _stream(body)
+    max_tokens = _opt_int(body, "max_completion_tokens", lo=1)
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", lo=1)
+    return ChatRequest(
+        model=_model(body),
+        messages=_messages(body.get("messages")),
+        sampling=_sampling(body, max_tokens),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+# --- fields -------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_int(
+    body: dict[str, Any], name: str, lo: int = -_INT64, hi: int = _INT64 - 1
+) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise bad_request(f"'{name}' must be an integer.", param=name)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}.", param=name)
+    return value
+
+
+def _opt_number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a number.", param=name)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}.", param=name)
+    return float(value)
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean.", param=name)
+    return value
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    value = body.get("model")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise bad_request("'model' must be a non-empty string.", param="model")
+    return value
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _opt_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object.", param="stream_options")
+    if not stream:
+        raise bad_request(
+            "'stream_options' is only allowed with 'stream': true.", param="stream_options"
+        )
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise bad_request(
+            "'stream_options.include_usage' must be a boolean.",
+            param="stream_options.include_usage",
+        )
+    return stream, bool(include)
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
+    n = _opt_int(body, "n")
+    if n is not None and n != 1:
+        raise bad_request("Only 'n': 1 is supported.", param="n")
+    top_k = _opt_int(body, "top_k", lo=-1)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_opt_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_top_p(body),
+        top_k=max(top_k or 0, 0),  # OpenAI-style clients send -1 for "off"; the wire uses 0
+        seed=_opt_int(body, "seed"),
+        stop=_stop(body.get("stop")),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", allow_empty=True),
+        ignore_eos=_opt_bool(body, "ignore_eos"),
+    )
+
+
+def _top_p(body: dict[str, Any]) -> float:
+    top_p = _opt_number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:  # keeps no token at all
+        raise bad_request("'top_p' must be greater than 0.", param="top_p")
+    return top_p
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or a list of them.", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.", param="stop")
+    return stops
+
+
+def _token_ids(value: Any, param: str, allow_empty: bool = False) -> list[int]:
+    if value is None and allow_empty:
+        return []
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request(f"'{param}' must be a list of non-negative integers.", param=param)
+    if not value and not allow_empty:
+        raise bad_request(f"'{param}' must not be empty.", param=param)
+    return value
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if value is None:
+        raise bad_request("'prompt' is required.", param="prompt")
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        if len(value) > 1:
+            raise bad_request(
+                "Several prompts in one request are not supported; send one per request.",
+                param="prompt",
+            )
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+        return value
+    if isinstance(value, list):
+        return _token_ids(value, "prompt")
+    raise bad_request("'prompt' must be a string or a list of token ids.", param="prompt")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise bad_request("'messages' is required.", param="messages")
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list.", param="messages")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(value: Any, param: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise bad_request(f"'{param}' must be an object.", param=param)
+    role = value.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad_request(
+            f"'{param}.role' must be one of {', '.join(sorted(ROLES))}.", param=f"{param}.role"
+        )
+    content = value.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    elif isinstance(content, list):
+        content = "".join(_text_part(p, f"{param}.content[{j}]") for j, p in enumerate(content))
+    elif not isinstance(content, str):
+        raise bad_request(
+            f"'{param}.content' must be a string or a list of text parts.",
+            param=f"{param}.content",
+        )
+    message = {"role": role, "content": content}
+    name = value.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad_request(f"'{param}.name' must be a string.", param=f"{param}.name")
+        message["name"] = name
+    return message
+
+
+def _text_part(part: Any, param: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        raise bad_request(f"'{param}' must be a text part; only text is supported.", param=param)
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"'{param}.text' must be a string.", param=f"{param}.text")
+    return text
+
+
+# --- known OpenAI fields we cannot honour: allowed only with their "off" value ------------------
+
+Check = Callable[[Any], bool]
+
+
+def _off(*values: Any) -> Check:
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
+
+
+def _refuse_unsupported(body: dict[str, Any], table: dict[str, Check]) -> None:
+    for name, is_off in table.items():
+        if name in body and not is_off(body[name]):
+            raise bad_request(f"'{name}' is not supported by this server.", param=name)
+
+
+_COMMON: dict[str, Check] = {
+    "presence_penalty": _off(0, 0.0),
+    "frequency_penalty": _off(0, 0.0),
+    "logit_bias": _off({}),
+    "best_of": _off(1),
+}
+_COMPLETION_UNSUPPORTED = {
+    **_COMMON,
+    "echo": _off(False),
+    "logprobs": _off(0, False),
+    "suffix": _off(""),
+}
+_CHAT_UNSUPPORTED = {
+    **_COMMON,
+    "logprobs": _off(False),
+    "top_logprobs": _off(0),
+    "tools": _off([]),
+    "tool_choice": _off("none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+}

@@ -1,0 +1,184 @@
+"""`jitney up`: everything on one machine: Redis (private unless REDIS_URL), a gateway, N workers.
+
+Each part runs as its own process, exactly as in a cluster (`jitney gateway`, `jitney worker`);
+this command only starts them, shows the model loading, prints where to send requests, and stops
+everything in reverse order on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
+from jitney.protocol import redis_url
+
+READY_TIMEOUT_S = 600  # the first start may convert the bundled GGUF model (about a minute)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9100,
+        help="first worker's metrics port (worker i uses this + i)",
+    )
+    add_engine_arguments(p)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def private_redis() -> Iterator[str]:
+    """A throwaway redis-server on a free port (no persistence), stopped on exit."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit(
+            "redis-server not found. Install Redis 7 or newer (Debian/Ubuntu: "
+            "`apt-get install redis-server`; macOS: `brew install redis`), or set REDIS_URL."
+        )
+    port = _free_port()
+    workdir = tempfile.mkdtemp(prefix="jitney-redis-")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextmanager
+def child(name: str, argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """A jitney part whose output is echoed with a name prefix; SIGTERM (then kill) on exit."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jitney.cli", *argv],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def echo() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(f"[{name}] {line}", end="", flush=True)
+
+    threading.Thread(target=echo, daemon=True).start()
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    with ExitStack() as stack:
+        url = os.environ.get("REDIS_URL") or stack.enter_context(private_redis())
+        if "REDIS_URL" in os.environ:
+            print(f"using Redis at {redis_url()}")
+        else:
+            print(f"started a private redis-server at {url}")
+        env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+        procs = [
+            stack.enter_context(
+                child(
+                    f"worker-{i}",
+                    [
+                        "worker",
+                        *engine_args_to_argv(args),
+                        "--metrics-port",
+                        str(args.metrics_port + i),
+                    ],
+                    env,
+                )
+            )
+            for i in range(args.workers)
+        ]
+        procs.append(
+            stack.enter_context(
+                child("gateway", ["gateway", "--host", args.host, "--port", str(args.port)], env)
+            )
+        )
+        host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
+        base = f"http://{host}:{args.port}"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _ready(base):
+            if any(p.poll() is not None for p in procs):
+                print("a part exited during start-up; stopping", file=sys.stderr)
+                return 1
+            if time.monotonic() > deadline:
+                print(f"not ready after {READY_TIMEOUT_S} s; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        print(_banner(base, args), flush=True)
+        try:
+            while all(p.poll() is None for p in procs):
+                time.sleep(0.5)
+            print("a part exited; stopping everything", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
+            return 0
+
+
+def _banner(base: str, args: argparse.Namespace) -> str:
+    question = '{"role": "user", "content": "What is the capital of France?"}'
+    return f"""
+Jitney is up: {args.workers} worker(s) serving {args.model}
+  OpenAI API   {base}/v1
+  metrics      {base}/metrics (gateway), http://localhost:{args.metrics_port}/metrics (worker 0)
+
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{args.model}", "messages": [{question}]}}'
+
+Press Ctrl-C to stop.
+"""

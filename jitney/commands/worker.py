@@ -1,0 +1,98 @@
+"""`jitney worker`: serve one model from the Redis request stream (one process per GPU/CPU).
+
+Redis comes from REDIS_URL (password and TLS in the URL). SIGTERM/SIGINT: stop reading, finish
+in-flight requests within --shutdown-timeout, abort the rest with a final reply, exit 0; a second
+signal aborts at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+
+from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
+
+logger = logging.getLogger("jitney.worker")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--worker-id",
+        default=None,
+        help="this worker's consumer name in the group (default: <hostname>-<pid>)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=9100, help="/metrics port; 0 picks a free one (logged)"
+    )
+    p.add_argument(
+        "--key-prefix", default="jitney", help="Redis key prefix (deployments can share a Redis)"
+    )
+    p.add_argument(
+        "--idle-block-ms",
+        type=int,
+        default=1000,
+        help="how long an idle worker blocks on the request stream per read",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stopping worker gives in-flight requests before aborting them",
+    )
+    p.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="debug logs every request"
+    )
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    # Our own events at the chosen level; libraries (redis-py, transformers) only warn.
+    logging.getLogger("jitney").setLevel(args.log_level.upper())
+    from jitney.model_card import card_from_tokenizer
+    from jitney.protocol import Keys, redis_url
+    from worker.engine import Engine
+    from worker.metrics import WorkerMetrics
+    from worker.redis_io import WorkerRedis
+    from worker.service import ServiceConfig, WorkerService, kv
+
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    config = ServiceConfig(worker_id, args.idle_block_ms, args.shutdown_timeout)
+
+    try:
+        engine = Engine(engine_config_from_args(args))  # the loader logs each stage
+    except ValueError as e:  # bad flags, or max_model_len does not fit the KV budget
+        logger.error("cannot_start %s", kv(error=e))
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(engine.capacity.table(), file=sys.stderr, flush=True)
+    loaded = engine.loaded
+    card = card_from_tokenizer(
+        loaded.name, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids)
+    )
+    metrics = WorkerMetrics(loaded.name, worker_id)
+    port = metrics.serve(args.metrics_port)
+    io = WorkerRedis.connect(redis_url(), Keys(args.key_prefix), worker_id, args.idle_block_ms)
+    conn = io.client.connection_pool.connection_kwargs  # no URL in logs: it may hold a password
+    logger.info(
+        "worker_starting %s",
+        kv(
+            worker=worker_id,
+            model=loaded.name,
+            metrics_port=port,
+            redis=f"{conn.get('host', conn.get('path'))}:{conn.get('port', '')}",
+            key_prefix=args.key_prefix,
+        ),
+    )
+    service = WorkerService(engine, io, config, metrics, card)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.request_stop())
+    service.run()
+    return 0

@@ -1,0 +1,237 @@
+"""Enqueue and reply: the request message, non-stream bodies, SSE streams, errors, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import redis
+from aiohttp.test_utils import TestClient
+from transformers import PreTrainedTokenizerFast
+
+from jitney.protocol import CancelMessage, ReplyMessage
+from tests.gateway.helpers import (
+    KEYS,
+    MODEL,
+    FakeWorker,
+    MakeClient,
+    assert_openai_error,
+    eventually,
+)
+
+Client = TestClient[Any, Any]
+INVALID = "invalid_request_error"
+
+
+def sse_events(raw: str) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final [DONE]."""
+    events = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def test_enqueued_chat_request_has_template_ids_and_sampling(
+    client: Client, fake_worker: FakeWorker, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """Chat: prompt ids equal the tokenizer's own chat template ids; sampling fields travel."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo"}]
+    body = {
+        "model": MODEL, "messages": messages, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "top_k": 20, "seed": 42, "stop": "\n", "ignore_eos": True,
+    }  # fmt: skip
+    call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    request = await fake_worker.take()
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert request.prompt_token_ids == list(expected)
+    assert request.model == MODEL and request.request_id.startswith("chatcmpl-")
+    assert request.reply_to == KEYS.replies("gw-test") and request.gateway_id == "gw-test"
+    assert request.deadline is None and request.enqueue_time > 0
+    s = request.sampling_fields
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.5, 0.9, 20, 42)
+    assert s.stop == ["\n"] and s.ignore_eos
+    await fake_worker.answer(request, ["Hi", " there"])
+    response = await call
+    assert response.status == 200
+    out = await response.json()
+    assert out["id"] == request.request_id and out["object"] == "chat.completion"
+    assert out["model"] == MODEL and isinstance(out["created"], int)
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
+    assert out["choices"][0]["finish_reason"] == "stop"
+    n = len(expected)
+    assert out["usage"] == {
+        "prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }  # fmt: skip
+
+
+async def test_completion_defaults_and_token_id_prompt(
+    client: Client, fake_worker: FakeWorker, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """A text prompt is encoded; a token-id prompt travels as is; max_tokens defaults to 16."""
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "the cat"}))
+    request = await fake_worker.take()
+    assert request.prompt_token_ids == tokenizer.encode("the cat")
+    s = request.sampling_fields
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (16, 1.0, 1.0, 0, None)
+    await fake_worker.answer(request, ["a", "b", "c"], finish="length")
+    out = await (await call).json()
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert out["choices"][0]["text"] == "abc" and out["choices"][0]["finish_reason"] == "length"
+
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": [5, 6, 7]}))
+    request = await fake_worker.take()
+    assert request.prompt_token_ids == [5, 6, 7]
+    await fake_worker.answer(request, ["x"])
+    assert (await (await call).json())["usage"]["prompt_tokens"] == 3
+
+
+async def test_chat_stream_chunks_drop_duplicates_and_report_usage(
+    client: Client, fake_worker: FakeWorker
+) -> None:
+    """SSE: role first, one content chunk per delta (duplicate seq dropped), finish, usage, DONE."""
+    body = {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    request = await fake_worker.take()
+    rid = request.request_id
+    await fake_worker.reply(request, ReplyMessage(rid, 0, [10], "Hel"))
+    await fake_worker.reply(request, ReplyMessage(rid, 0, [10], "Hel"))  # redelivered: dropped
+    await fake_worker.reply(
+        request,
+        ReplyMessage(rid, 1, [11], "lo"),
+        ReplyMessage(rid, 2, [], "", "stop", prompt_tokens=9, completion_tokens=2),
+    )
+    response = await call
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(await response.text())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["id"] == rid and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks[1:3]]
+    assert contents == ["Hel", "lo"]
+    assert chunks[3]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[3]["choices"][0]["delta"] == {}
+    assert chunks[4]["choices"] == []
+    assert chunks[4]["usage"]["completion_tokens"] == 2
+    assert chunks[4]["usage"]["total_tokens"] == 11
+    assert len(chunks) == 5
+
+
+async def test_completion_stream_text_chunks(client: Client, fake_worker: FakeWorker) -> None:
+    """Completions SSE: choices[0].text per delta, a final chunk with finish_reason, DONE."""
+    body = {"prompt": "x", "stream": True}
+    call = asyncio.create_task(client.post("/v1/completions", json=body))
+    request = await fake_worker.take()
+    await fake_worker.answer(request, ["a", "b"], finish="length")
+    events = sse_events(await (await call).text())
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert texts == ["a", "b", ""] and events[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
+    assert all("usage" not in e for e in events[:-1])
+
+
+async def test_worker_errors_map_to_http_errors(client: Client, fake_worker: FakeWorker) -> None:
+    """Final error/abort/expired replies: 400/500/503/504 bodies, or an SSE error event."""
+    cases = [
+        (ReplyMessage("", 0, finish_reason="error", error="bad", error_type=INVALID), 400),
+        (ReplyMessage("", 0, finish_reason="error", error="boom", error_type="server_error"), 500),
+        (ReplyMessage("", 0, finish_reason="abort"), 503),
+        (ReplyMessage("", 0, finish_reason="expired"), 504),
+    ]  # fmt: skip
+    for final, status in cases:
+        call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+        request = await fake_worker.take()
+        final.request_id = request.request_id
+        await fake_worker.reply(request, final)
+        response = await call
+        assert response.status == status
+        assert_openai_error(await response.json())
+
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+    request = await fake_worker.take()
+    await fake_worker.reply(
+        request,
+        ReplyMessage(request.request_id, 0, [10], "par"),
+        ReplyMessage(request.request_id, 1, finish_reason="error", error="oom", error_type="x"),
+    )
+    events = sse_events(await (await call).text())
+    assert events[0]["choices"][0]["text"] == "par"
+    assert events[1]["error"]["type"] == "server_error" and events[2] == "[DONE]"
+
+
+async def test_client_disconnect_publishes_cancel(
+    client: Client, fake_worker: FakeWorker, served: redis.Redis
+) -> None:
+    """Client closes mid-stream: a CancelMessage on keys.cancels and the cancel flag is set."""
+    body = {"prompt": "x", "stream": True, "max_tokens": 40}
+    response = await client.post("/v1/completions", json=body)
+    request = await fake_worker.take()
+    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+    assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+    response.close()  # the client goes away with the generation still running
+
+    entries = await eventually(lambda: served.xrange(KEYS.cancels))
+    cancel = CancelMessage.decode(entries[-1][1])
+    assert cancel.request_id == request.request_id and cancel.reason == "client_gone"
+    assert served.get(KEYS.cancelled(request.request_id)) is not None
+    assert 0 < served.ttl(KEYS.cancelled(request.request_id)) <= 3600
+
+
+async def test_non_stream_disconnect_publishes_cancel(
+    client: Client, fake_worker: FakeWorker, served: redis.Redis
+) -> None:
+    """A non-streaming client that gives up waiting also cancels its request."""
+    with_timeout = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+    request = await fake_worker.take()
+    with_timeout.cancel()
+    await asyncio.gather(with_timeout, return_exceptions=True)
+    await eventually(lambda: served.exists(KEYS.cancelled(request.request_id)))
+
+
+async def test_reply_stream_is_trimmed(client: Client, fake_worker: FakeWorker) -> None:
+    """What the reader consumed is deleted: the reply stream stays empty between requests."""
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+    request = await fake_worker.take()
+    await fake_worker.answer(request, ["a", "b", "c"])
+    await call
+    assert await eventually(lambda: _is_zero(fake_worker, request.reply_to))
+
+
+async def _is_zero(fake_worker: FakeWorker, key: str) -> bool:
+    return await fake_worker.redis.xlen(key) == 0
+
+
+async def test_silent_workers_time_out_with_keepalives(
+    served: redis.Redis, make_client: MakeClient, fake_worker: FakeWorker
+) -> None:
+    """No reply for reply_idle_timeout_s: 504 (or an SSE error event after keep-alive comments)
+    and a cancel; the deadline travels when --request-timeout is set."""
+    client = await make_client(reply_idle_timeout_s=0.4, sse_keepalive_s=0.1, request_timeout=30)
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+    request = await fake_worker.take()
+    assert request.deadline is not None
+    assert request.deadline - request.enqueue_time == pytest.approx(30)
+    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+    response = await call
+    assert response.status == 504 and (await response.json())["error"]["code"] == "reply_timeout"
+    await eventually(lambda: served.exists(KEYS.cancelled(request.request_id)))
+
+    response = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    request = await fake_worker.take()
+    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+    raw = await response.text()
+    assert ": keep-alive" in raw
+    events = sse_events(raw)
+    assert events[-2]["error"]["code"] == "reply_timeout" and events[-1] == "[DONE]"
+    await eventually(lambda: served.exists(KEYS.cancelled(request.request_id)))

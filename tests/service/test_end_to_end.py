@@ -1,0 +1,211 @@
+"""The whole system: real redis-server, `jitney gateway` and `jitney worker` processes, real HTTP.
+
+Streaming and non-streaming requests through the gateway give what the engine gives offline;
+a client that goes away mid-stream frees its slot and KV; /metrics agree with what was served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from tests.services import (
+    JitneyProcess,
+    RedisServer,
+    Worker,
+    free_port,
+    start_worker,
+    wait_for,
+    wait_ready,
+)
+from tests.worker.engine_helpers import NEAR_TIE, top2_gap
+from worker.config import EngineConfig
+from worker.engine import CompletedRequest, Engine
+from worker.model_loader import load_model
+from worker.sampling import SamplingParams
+
+MODEL = "tiny-random"
+
+
+@pytest.fixture(scope="module")
+def system() -> Iterator[tuple[str, Worker]]:
+    server = RedisServer().start()
+    worker = start_worker(server, "e2e-w1")
+    port = free_port()
+    gateway = JitneyProcess(
+        ["gateway", "--host", "127.0.0.1", "--port", str(port)],
+        {"REDIS_URL": server.url},
+        name="gateway",
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(server.client(), worker)
+
+        def ready() -> bool:
+            import urllib.request
+
+            assert gateway.alive(), gateway.output()
+            with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
+                return resp.status == 200
+
+        wait_for(ready, 60, "gateway /ready")
+        yield base, worker
+    finally:
+        gateway.stop()
+        worker.proc.stop()
+        server.close()
+
+
+def offline(prompts: list[list[int]], max_tokens: int) -> list[CompletedRequest]:
+    engine = Engine(EngineConfig(model=MODEL, kv_cache_memory="16MiB"), loaded=load_model(MODEL))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return engine.generate(prompts, params)
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, base: str, body: dict
+) -> tuple[str, dict]:
+    """POST with stream=true; return the joined text and the usage chunk."""
+    text, usage = "", {}
+    async with session.post(
+        f"{base}/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return text, usage
+
+
+async def test_concurrent_streaming_and_plain_requests_match_offline(system):
+    """8 concurrent requests, half streamed: each text equals the offline engine's."""
+    base, _ = system
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 280) for _ in range(rng.randrange(4, 30))] for _ in range(8)]
+    n = 12
+    body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def plain(prompt: list[int]) -> tuple[str, dict]:
+            async with session.post(
+                f"{base}/v1/completions", json={**body, "prompt": prompt}
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+                data = await resp.json()
+                return data["choices"][0]["text"], data["usage"]
+
+        results = await asyncio.gather(
+            *[
+                stream_completion(session, base, {**body, "prompt": p}) if i % 2 else plain(p)
+                for i, p in enumerate(prompts)
+            ]
+        )
+    ref = load_model(MODEL)
+    for prompt, want, (text, usage) in zip(prompts, offline(prompts, n), results, strict=True):
+        assert usage["completion_tokens"] == n and usage["prompt_tokens"] == len(prompt)
+        assert_same_greedy_text(ref, prompt, text, want)
+
+
+def assert_same_greedy_text(ref, prompt: list[int], text: str, want: CompletedRequest) -> None:
+    """The served text equals the offline run's (same incremental detokenizer), or the two
+    token streams part at a numerical near-tie."""
+    if text == want.text:
+        return
+    # The served text is the offline text up to some token, then departs: find that token.
+    tokens, decode = want.token_ids, ref.tokenizer.decode
+    i = 0
+    while i < len(tokens) and text.startswith(decode(tokens[: i + 1])):
+        i += 1
+    gap = top2_gap(ref, prompt + tokens[:i])
+    assert gap < NEAR_TIE, (
+        f"served {text!r} != offline {want.text!r}; they part at token {i}, top-2 gap {gap:.2e}"
+    )
+
+
+async def test_client_gone_mid_stream_frees_slot_and_kv(system):
+    """Closing the connection mid-stream: the worker aborts, running and KV usage return to 0."""
+    base, worker = system
+    body = {
+        "model": MODEL,
+        "prompt": "hello there",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    aborted_before = worker.metric("jitney_requests_finished_total", reason="abort")
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{base}/v1/completions", json=body)
+        assert resp.status == 200
+        chunks = 0
+        async for raw in resp.content:
+            chunks += raw.startswith(b"data: ")
+            if chunks >= 3:
+                break
+        assert worker.metric("jitney_requests_running") == 1
+        resp.close()  # the client goes away
+    wait_for(
+        lambda: (
+            worker.metric("jitney_requests_finished_total", reason="abort") == aborted_before + 1
+        ),
+        30,
+        "the worker to abort the request",
+    )
+    wait_for(lambda: worker.metric("jitney_requests_running") == 0, 10, "running back to 0")
+    assert worker.metric("jitney_kv_cache_usage_ratio") == 0
+    assert worker.metric("jitney_kv_blocks_free") == worker.metric("jitney_kv_blocks_total")
+
+
+async def test_metrics_agree_with_what_was_served(system):
+    """Worker token counters and gateway request counters move by exactly what was served."""
+    base, worker = system
+    gen_before = worker.metric("jitney_generation_tokens_total")
+    prompt_before = worker.metric("jitney_prompt_tokens_total")
+    usage_total = {"prompt_tokens": 0, "completion_tokens": 0}
+    async with aiohttp.ClientSession() as session:
+
+        async def gateway_count() -> float:
+            async with session.get(f"{base}/metrics") as resp:
+                text = await resp.text()
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("jitney_http_requests_total{")
+                and 'route="/v1/chat/completions"' in line
+                and 'status="200"' in line
+            )
+
+        served_before = await gateway_count()
+        for i in range(3):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"hi {i}"}],
+                "max_tokens": 5 + i,
+                "temperature": 0,
+            }
+            async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                usage = (await resp.json())["usage"]
+            for k in usage_total:
+                usage_total[k] += usage[k]
+        assert await gateway_count() == served_before + 3
+    assert (
+        worker.metric("jitney_generation_tokens_total") - gen_before
+        == usage_total["completion_tokens"]
+    )
+    assert (
+        worker.metric("jitney_prompt_tokens_total") - prompt_before == usage_total["prompt_tokens"]
+    )

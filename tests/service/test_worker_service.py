@@ -1,0 +1,302 @@
+"""`jitney worker` against a real redis-server: the test stands in for the gateway (XADD requests,
+XREAD replies), reads the worker's /metrics, cancels and signals it."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from jitney.protocol import (
+    WORKER_GROUP,
+    CancelMessage,
+    Keys,
+    ReplyMessage,
+    RequestMessage,
+)
+from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
+from tests.worker.engine_helpers import assert_greedy_parity
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.model_loader import load_model
+from worker.sampling import SamplingParams
+
+KEYS = Keys()
+MODEL = "tiny-random"
+REPLIES = KEYS.replies("test-gw")
+LONG = 1500  # max_tokens of a request that is still running when the test acts on it
+REPLY_TIMEOUT = 60
+
+
+def send(r: redis.Redis, request_id: str, prompt: list[int], max_tokens: int, **kw) -> str:
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    msg = RequestMessage(request_id, kw.pop("model", MODEL), prompt, sampling, REPLIES, "test-gw",
+                         time.time(), **kw)  # fmt: skip
+    return r.xadd(KEYS.requests, msg.encode()).decode()
+
+
+class Replies:
+    """The gateway's side of the reply stream: everything read so far, per request."""
+
+    def __init__(self, r: redis.Redis):
+        self.r = r
+        self.last_id = "0-0"
+        self.by_request: dict[str, list[ReplyMessage]] = {}
+
+    def poll(self) -> None:
+        for _, entries in self.r.xread({REPLIES: self.last_id}, block=200) or []:
+            for entry_id, fields in entries:
+                self.last_id = entry_id
+                reply = ReplyMessage.decode(fields)
+                self.by_request.setdefault(reply.request_id, []).append(reply)
+
+    def final(self, request_id: str) -> ReplyMessage | None:
+        got = self.by_request.get(request_id, [])
+        return got[-1] if got and got[-1].is_final else None
+
+    def wait(self, *request_ids: str, timeout: float = REPLY_TIMEOUT) -> dict[str, ReplyMessage]:
+        deadline = time.monotonic() + timeout
+        while not all(self.final(i) for i in request_ids):
+            assert time.monotonic() < deadline, f"no final reply in {timeout} s: {request_ids}"
+            self.poll()
+        return {i: self.final(i) for i in request_ids}  # type: ignore[misc]
+
+    def wait_for_tokens(self, request_id: str, n: int) -> None:
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while sum(len(m.token_ids) for m in self.by_request.get(request_id, [])) < n:
+            assert time.monotonic() < deadline, f"{request_id}: fewer than {n} tokens"
+            self.poll()
+
+    def tokens(self, request_id: str) -> list[int]:
+        """Joined token ids, after checking seqs run 0, 1, 2, ... with no gap or duplicate."""
+        got = self.by_request[request_id]
+        assert [m.seq for m in got] == list(range(len(got)))
+        assert [m.is_final for m in got] == [False] * (len(got) - 1) + [True]
+        return [t for m in got for t in m.token_ids]
+
+
+def pending_ids(r: redis.Redis, consumer: str | None = None) -> list[str]:
+    kw = {"consumername": consumer} if consumer else {}
+    rows = r.xpending_range(KEYS.requests, WORKER_GROUP, "-", "+", 100, **kw)
+    return [row["message_id"].decode() for row in rows]
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 280) for _ in range(n)]
+
+
+# ----- one worker, shared by the tests that do not stop it --------------------------------------
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def stack(server: RedisServer) -> Iterator[tuple[redis.Redis, Worker]]:
+    worker = start_worker(server, "w1")
+    r = server.client()
+    try:
+        wait_ready(r, worker)
+        yield r, worker
+    finally:
+        worker.proc.stop()
+
+
+@pytest.fixture
+def replies(stack: tuple[redis.Redis, Worker]) -> Replies:
+    r, _ = stack
+    r.delete(REPLIES)
+    return Replies(r)
+
+
+def test_concurrent_greedy_requests_match_offline_generate(stack, replies):
+    """Joined reply tokens equal Engine.generate of the same prompts; seqs and usage exact."""
+    r, _ = stack
+    rng = random.Random(4)
+    jobs = [(f"par-{i}", random_prompt(rng, rng.randint(3, 40)), rng.randint(5, 20))
+            for i in range(6)]  # fmt: skip
+    for request_id, prompt, n in jobs:
+        send(r, request_id, prompt, n)
+    finals = replies.wait(*(j[0] for j in jobs))
+
+    engine = Engine(EngineConfig(model=MODEL, kv_cache_memory="16MiB"))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, _, n in jobs]
+    offline = engine.generate([prompt for _, prompt, _ in jobs], params)
+    ref = load_model(MODEL)  # on transformers' own attention, to judge near-ties
+    for (request_id, prompt, n), want in zip(jobs, offline, strict=True):
+        got = replies.tokens(request_id)
+        assert_greedy_parity(ref, prompt, got, want.token_ids)
+        final = finals[request_id]
+        assert final.finish_reason == "length"
+        assert (final.prompt_tokens, final.completion_tokens) == (len(prompt), n)
+    assert pending_ids(r) == []  # every entry acknowledged
+
+
+def test_cancel_mid_generation_frees_slot_and_kv(stack, replies):
+    """A cancel ends a running request within a step: final `abort`, running 0, KV back to 0."""
+    r, worker = stack
+    send(r, "cancel-me", [5, 6, 7, 8], LONG)
+    replies.wait_for_tokens("cancel-me", 3)
+    r.set(KEYS.cancelled("cancel-me"), 1, ex=60)
+    r.xadd(KEYS.cancels, CancelMessage("cancel-me").encode())
+    final = replies.wait("cancel-me")["cancel-me"]
+    tokens = replies.tokens("cancel-me")
+    assert final.finish_reason == "abort" and 3 <= len(tokens) < LONG
+    assert final.completion_tokens == len(tokens)
+    wait_for(lambda: worker.metric("jitney_requests_running") == 0, 10, "running 0")
+    assert worker.metric("jitney_kv_cache_usage_ratio") == 0
+    assert worker.metric("jitney_kv_blocks_free") == worker.metric("jitney_kv_blocks_total")
+    assert pending_ids(r) == []
+
+
+def test_queued_cancelled_entry_is_dropped_and_past_deadline_expires(stack, replies):
+    """Entries whose client left or whose deadline passed never reach prefill."""
+    r, worker = stack
+    prompt_before = worker.metric("jitney_prompt_tokens_total")
+    expired_before = worker.metric("jitney_requests_finished_total", reason="expired")
+    r.set(KEYS.cancelled("gone"), 1, ex=60)
+    send(r, "gone", [5, 6, 7], 8)
+    send(r, "late", [5, 6, 7], 8, deadline=time.time() - 1)
+    send(r, "fine", [5, 6, 7], 2)
+    finals = replies.wait("gone", "late", "fine")
+    assert finals["gone"].finish_reason == "abort" and finals["gone"].seq == 0
+    assert finals["late"].finish_reason == "expired" and finals["late"].seq == 0
+    assert finals["gone"].completion_tokens == finals["late"].completion_tokens == 0
+    assert finals["fine"].finish_reason == "length"
+    # Only `fine` was prefilled.
+    assert worker.metric("jitney_prompt_tokens_total") - prompt_before == 3
+    assert worker.metric("jitney_requests_finished_total", reason="expired") - expired_before == 1
+    assert pending_ids(r) == []
+
+
+def test_invalid_requests_get_an_error_and_the_worker_keeps_serving(stack, replies):
+    """Too long, bad token ids, wrong model: an error reply and XACK; garbage: XACK only."""
+    r, _ = stack
+    send(r, "too-long", [5] * 2040, 100)
+    send(r, "bad-token", [5, 10_000], 4)
+    send(r, "other-model", [5, 6], 4, model="not-served")
+    r.xadd(KEYS.requests, {"v": "1", "m": "{not json"})
+    send(r, "after", [5, 6, 7], 4)
+    finals = replies.wait("too-long", "bad-token", "other-model", "after")
+    for request_id in ("too-long", "bad-token", "other-model"):
+        final = finals[request_id]
+        assert final.finish_reason == "error" and final.error_type == "invalid_request_error"
+        assert final.seq == 0 and final.error
+    assert "2140" in finals["too-long"].error and "2048" in finals["too-long"].error
+    assert finals["after"].finish_reason == "length" and len(replies.tokens("after")) == 4
+    assert pending_ids(r) == []
+
+
+def test_metrics_agree_with_what_was_served(stack, replies):
+    """Token counters, finish reasons and latency histograms count exactly what was served."""
+    r, worker = stack
+    names = ["jitney_generation_tokens_total", "jitney_prompt_tokens_total",
+             "jitney_time_to_first_token_seconds_count", "jitney_e2e_request_latency_seconds_count",
+             "jitney_queue_delay_seconds_count"]  # fmt: skip
+    before = {n: worker.metric(n) for n in names}
+    length_before = worker.metric("jitney_requests_finished_total", reason="length")
+    rng = random.Random(7)
+    jobs = [(f"m-{i}", random_prompt(rng, 10 + i), 3 + i) for i in range(4)]
+    for request_id, prompt, n in jobs:
+        send(r, request_id, prompt, n)
+    finals = replies.wait(*(j[0] for j in jobs)).values()
+    delta = {n: worker.metric(n) - before[n] for n in names}
+    assert delta["jitney_generation_tokens_total"] == sum(f.completion_tokens for f in finals)
+    assert delta["jitney_prompt_tokens_total"] == sum(f.prompt_tokens for f in finals) == 46
+    for n in names[2:]:
+        assert delta[n] == 4, n
+    assert worker.metric("jitney_requests_finished_total", reason="length") - length_before == 4
+    assert worker.metric("jitney_kv_blocks_total") == 2048
+    assert worker.metric("jitney_batch_size_count") > 0
+    assert worker.metric("jitney_step_duration_seconds_count") > 0
+    labels = {"model": MODEL, "worker": "w1"}
+    assert worker.metric("jitney_requests_running", **labels) == 0
+
+
+def test_worker_survives_a_redis_restart(server, stack, replies):
+    """Redis goes away and comes back empty: the worker backs off, rejoins (group, card,
+    heartbeat) and serves again without restarting."""
+    r, worker = stack
+    server.stop()
+    time.sleep(2)
+    assert worker.proc.alive()
+    server.start()
+    wait_for(lambda: r.zscore(KEYS.workers, "w1") is not None, 15, "heartbeat after restart")
+    wait_for(lambda: r.exists(KEYS.model(MODEL)), 5, "model card re-published")
+    send(r, "after-restart", [5, 6, 7], 4)
+    assert replies.wait("after-restart")["after-restart"].finish_reason == "length"
+    log = worker.proc.output()
+    assert "redis_unavailable" in log and "redis_recovered" in log
+    assert "Traceback" not in log
+
+
+# ----- tests that own their workers ---------------------------------------------------------------
+def test_two_workers_share_the_queue_and_a_full_worker_does_not_hoard(redis_server):
+    """With one slot each: the worker busy on a long request never reads the next ones; the
+    other serves them at once. SIGTERM then aborts the long one after --shutdown-timeout."""
+    r = redis_server.client()
+    workers = [start_worker(redis_server, w, "--max-num-seqs", "1", "--shutdown-timeout", "1")
+               for w in ("wa", "wb")]  # fmt: skip
+    try:
+        wait_ready(r, *workers)
+        replies = Replies(r)
+        long_entry = send(r, "long", [5, 6, 7], LONG)
+        replies.wait_for_tokens("long", 2)
+        (busy,) = [w for w in workers if pending_ids(r, w.worker_id) == [long_entry]]
+        (free,) = [w for w in workers if w is not busy]
+        short = [f"short-{i}" for i in range(3)]
+        for request_id in short:
+            send(r, request_id, [5, 6, 7], 4)
+        finals = replies.wait(*short, timeout=30)
+        assert all(f.finish_reason == "length" for f in finals.values())
+        assert replies.final("long") is None  # still running: the shorts did not wait for it
+        assert pending_ids(r, busy.worker_id) == [long_entry]  # it never read them
+        assert free.metric("jitney_requests_finished_total", reason="length") == 3
+        assert busy.metric("jitney_requests_finished_total") == 0
+        assert busy.metric("jitney_requests_running") == 1
+
+        assert busy.proc.stop() == 0  # SIGTERM: the long request cannot finish within 1 s
+        final = replies.wait("long")["long"]
+        assert final.finish_reason == "abort" and final.error == "worker shutting down"
+        assert final.completion_tokens == len(replies.tokens("long"))
+        assert pending_ids(r) == []
+        assert r.zscore(KEYS.workers, busy.worker_id) is None
+        assert r.zscore(KEYS.workers, free.worker_id) is not None
+    finally:
+        for w in workers:
+            w.proc.stop()
+
+
+def test_sigterm_finishes_in_flight_requests_and_stops_reading(redis_server):
+    """SIGTERM: no new reads, in-flight requests finish normally, exit 0, heartbeat removed."""
+    r = redis_server.client()
+    worker = start_worker(redis_server, "wterm", "--shutdown-timeout", "60")
+    try:
+        wait_ready(r, worker)
+        replies = Replies(r)
+        in_flight = [f"inflight-{i}" for i in range(4)]
+        for i, request_id in enumerate(in_flight):
+            send(r, request_id, [5, 6, 7 + i], 200)
+        for request_id in in_flight:
+            replies.wait_for_tokens(request_id, 1)
+        assert not any(replies.final(i) for i in in_flight)
+        worker.proc.proc.terminate()
+        time.sleep(0.5)
+        late_entry = send(r, "late", [5, 6, 7], 4)
+        assert worker.proc.proc.wait(60) == 0
+        finals = replies.wait(*in_flight, timeout=5)
+        assert all(f.finish_reason == "length" for f in finals.values())
+        assert all(len(replies.tokens(i)) == 200 for i in in_flight)
+        assert replies.final("late") is None and pending_ids(r) == []
+        # The late entry is still there for another worker.
+        other = r.xreadgroup(WORKER_GROUP, "probe", {KEYS.requests: ">"}, count=10)
+        assert [e[0].decode() for e in other[0][1]] == [late_entry]
+        assert r.zscore(KEYS.workers, "wterm") is None
+        assert "worker_stopped" in worker.proc.output()
+    finally:
+        worker.proc.stop()

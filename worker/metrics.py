@@ -1,0 +1,146 @@
+"""The worker's Prometheus exporter: turns SchedulerStats and served requests into metrics.
+
+The scheduler only fills `SchedulerStats` (it never imports prometheus); the service loop hands
+those stats, step timings and per-request events to this exporter. Names follow
+docs/architecture.md §6: prefix `jitney_`, seconds, `_total` counters, labels `model` and `worker`.
+Buckets follow vLLM's, so the same dashboards read alike.
+
+Every exporter has its own CollectorRegistry, so several in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+from scheduler import SchedulerStats
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+LABELS = ("model", "worker")
+
+
+class WorkerMetrics:
+    def __init__(self, model: str, worker_id: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self._labels = {"model": model, "worker": worker_id}
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, registry=r, buckets=buckets).labels(**self._labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=r).labels(**self._labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=r).labels(**self._labels)
+
+        self.batch_size = hist("jitney_batch_size", "Sequences per step", BATCH_SIZE_BUCKETS)
+        self.batch_size_current = gauge("jitney_batch_size_current", "Sequences in the last step")
+        self.batch_tokens = hist("jitney_batch_tokens", "Tokens per step", BATCH_TOKENS_BUCKETS)
+        self.queue_delay = hist(
+            "jitney_queue_delay_seconds",
+            "Gateway enqueue to first scheduled",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.running = gauge("jitney_requests_running", "Requests holding a batch slot")
+        self.waiting = gauge("jitney_requests_waiting", "Requests read but not yet admitted")
+        self.kv_usage = gauge("jitney_kv_cache_usage_ratio", "Used KV blocks / total (0..1)")
+        self.kv_free = gauge("jitney_kv_blocks_free", "Free KV blocks (cached ones included)")
+        self.kv_total = gauge("jitney_kv_blocks_total", "KV blocks in the pool")
+        self.preemptions = counter("jitney_preemptions", "Sequences preempted (recompute)")
+        self.ttft = hist(
+            "jitney_time_to_first_token_seconds", "Gateway enqueue to first token", TTFT_BUCKETS
+        )
+        self.itl = hist(
+            "jitney_inter_token_latency_seconds", "Time between a request's tokens", ITL_BUCKETS
+        )
+        self.e2e = hist(
+            "jitney_e2e_request_latency_seconds",
+            "Gateway enqueue to final reply",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = counter("jitney_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("jitney_generation_tokens", "Tokens generated")
+        self._finished = Counter(
+            "jitney_requests_finished",
+            "Requests by terminal outcome",
+            (*LABELS, "reason"),
+            registry=r,
+        )
+        self.step_duration = hist(
+            "jitney_step_duration_seconds", "One engine step (schedule+run+sample)", STEP_BUCKETS
+        )
+        self.prefix_hits = counter("jitney_prefix_cache_hits", "Prompt tokens served from cache")
+        self.prefix_queries = counter(
+            "jitney_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self._steps = Counter(
+            "jitney_steps", "Engine steps by the limit that bound them", (*LABELS, "limit"),
+            registry=r,
+        )  # fmt: skip
+        # The scheduler's counters are running totals; the exporter adds their increments.
+        self._last_totals = (0, 0, 0)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve /metrics in a background thread; returns the port (useful when `port` is 0)."""
+        disable_created_metrics()  # no `_created` series: dashboards never read them
+        server, _thread = start_http_server(port, addr, registry=self.registry)
+        return server.server_port
+
+    # ----- per step ------------------------------------------------------------------------
+    def observe_step(self, stats: SchedulerStats, duration_s: float) -> None:
+        self.step_duration.observe(duration_s)
+        self._steps.labels(**self._labels, limit=stats.limit.value).inc()
+        if stats.batch_size:
+            self.batch_size.observe(stats.batch_size)
+            self.batch_tokens.observe(stats.num_batched_tokens)
+        self.batch_size_current.set(stats.batch_size)
+        totals = (
+            stats.num_preemptions_total,
+            stats.num_prefix_hits_total,
+            stats.num_prefix_queries_total,
+        )
+        for child, new, old in zip(
+            (self.preemptions, self.prefix_hits, self.prefix_queries),
+            totals,
+            self._last_totals,
+            strict=True,
+        ):
+            if new > old:
+                child.inc(new - old)
+        self._last_totals = totals
+
+    def set_state(
+        self, running: int, waiting: int, kv_usage: float, free_blocks: int, total_blocks: int
+    ) -> None:
+        """Live gauges, set after every loop iteration (so an abort shows at once)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        self.kv_free.set(free_blocks)
+        self.kv_total.set(total_blocks)
+        if running == 0:
+            self.batch_size_current.set(0)
+
+    # ----- per request ---------------------------------------------------------------------
+    def finished(self, reason: str, prompt_tokens: int, e2e_s: float | None) -> None:
+        self._finished.labels(**self._labels, reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        if e2e_s is not None:
+            self.e2e.observe(max(0.0, e2e_s))

@@ -1,0 +1,137 @@
+"""Per-request bookkeeping between the engine and the reply streams.
+
+For every request a worker read and has not finished: its stream entry (to XACK), where its
+replies go, the next reply seq (0, 1, 2, ... with no gaps: the gateway drops duplicates by it) and
+its timing for the latency metrics. Replies and acks collect in an outbox that the loop publishes
+in one round trip per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from jitney.protocol import ReplyMessage
+from worker.engine import RequestOutput
+from worker.metrics import WorkerMetrics
+from worker.redis_io import Outbox
+
+logger = logging.getLogger("jitney.worker")
+
+
+def kv(**fields: object) -> str:
+    """Log fields as key=value (logs are one line per event; prompts are never logged)."""
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    entry_id: str
+    reply_to: str
+    enqueue_time: float  # the gateway's enqueue time on this process's time.monotonic() clock
+    next_seq: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class ReplyBook:
+    metrics: WorkerMetrics
+    tracked: dict[str, TrackedRequest] = field(default_factory=dict)
+    unscheduled: set[str] = field(default_factory=set)  # queue delay not yet observed
+    outbox: Outbox = field(default_factory=Outbox)
+
+    def track(self, request_id: str, request: TrackedRequest) -> None:
+        self.tracked[request_id] = request
+        self.unscheduled.add(request_id)
+
+    def clear_outbox(self) -> None:
+        """After a successful publish (a failed one leaves the outbox to retry whole)."""
+        self.outbox = Outbox()
+
+    def on_step(
+        self,
+        outputs: list[RequestOutput],
+        first_scheduled_time: Callable[[str], float | None],
+        start: float,
+        now: float,
+    ) -> None:
+        """A step ran from `start` to `now` (monotonic): its deltas and finals, and metrics."""
+        finished = {out.request_id for out in outputs if out.finished}
+        for request_id in list(self.unscheduled):
+            # One that finished in this very step was first scheduled at its start.
+            first = start if request_id in finished else first_scheduled_time(request_id)
+            if first is not None:
+                delay = first - self.tracked[request_id].enqueue_time
+                self.metrics.queue_delay.observe(max(0.0, delay))
+                self.unscheduled.discard(request_id)
+        for out in outputs:
+            request = self.tracked[out.request_id]
+            if out.new_token_ids:
+                self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                if request.last_token_time is None:
+                    self.metrics.ttft.observe(max(0.0, now - request.enqueue_time))
+                else:
+                    self.metrics.itl.observe(now - request.last_token_time)
+                request.last_token_time = now
+            if out.finished:
+                self.finish(out, now)
+            else:
+                self._send(out.request_id, request, out.new_token_ids, out.delta_text)
+
+    def finish(
+        self,
+        out: RequestOutput,
+        now: float,
+        error: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        """A request the engine ran reached its terminal state: final reply, XACK, metrics."""
+        request = self.tracked.pop(out.request_id)
+        self.unscheduled.discard(out.request_id)
+        reason = out.finish_reason or "abort"
+        self._send(
+            out.request_id,
+            request,
+            out.new_token_ids,
+            out.delta_text,
+            finish_reason=reason,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+            error=error,
+            error_type=error_type,
+        )
+        self.outbox.acks.append(request.entry_id)
+        self.metrics.finished(reason, out.num_prompt_tokens, now - request.enqueue_time)
+        logger.debug(
+            "request_finished %s",
+            kv(request=out.request_id, reason=reason, completion_tokens=out.num_output_tokens),
+        )
+
+    def reject(
+        self,
+        request_id: str,
+        request: TrackedRequest,
+        reason: str,
+        error: str | None,
+        error_type: str | None = None,
+    ) -> None:
+        """End a request that never reached the engine: its only reply is the final one."""
+        self._send(request_id, request, [], "", finish_reason=reason, error=error,
+                   error_type=error_type)  # fmt: skip
+        self.outbox.acks.append(request.entry_id)
+        self.metrics.finished(reason, 0, None)
+        logger.debug("request_dropped %s", kv(request=request_id, reason=reason))
+
+    def _send(
+        self,
+        request_id: str,
+        request: TrackedRequest,
+        token_ids: list[int],
+        text: str,
+        **final: object,
+    ) -> None:
+        reply = ReplyMessage(request_id, request.next_seq, token_ids, text, **final)  # type: ignore[arg-type]
+        self.outbox.replies.append((request.reply_to, reply))
+        request.next_seq += 1

@@ -11,14 +11,12 @@ the request's completion. Both runners generate exactly `output_len` tokens per 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from bench.trace import TraceRequest, percentile
 from worker.model_loader import LoadedModel
 
 HF_GENERATE = "hf-generate"
@@ -43,28 +42,6 @@ DEFAULT_CB_CANDIDATES: list[dict[str, Any]] = [
     {"max_batch_tokens": 256, "max_requests_per_batch": 16},
     {"max_batch_tokens": 512, "max_requests_per_batch": 16, "page_size": 32},
 ]
-
-
-@dataclass(slots=True, frozen=True)
-class TraceRequest:
-    request_id: str
-    prompt_ids: list[int]
-    output_len: int  # exact: generate this many tokens, ignoring EOS
-    arrival_s: float = 0.0  # offline runs ignore it (everything arrives at t=0)
-
-
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Read a shared/traces file; `limit` keeps only the first requests (in trace order)."""
-    data = json.loads(Path(path).read_text())
-    return [
-        TraceRequest(
-            request_id=str(r["id"]),
-            prompt_ids=[int(t) for t in r["prompt_ids"]],
-            output_len=int(r["output_len"]),
-            arrival_s=float(r.get("arrival_s", 0.0)),
-        )
-        for r in data["requests"][:limit]
-    ]
 
 
 @dataclass(slots=True)
@@ -109,17 +86,6 @@ class RunResult:
             "p99_latency_s": round(self.p99_latency_s, 3),
             "mean_ttft_s": round(self.mean_ttft_s, 3),
         }
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _mean(values: Any) -> float:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.baselines import HF_CB, HF_GENERATE, RunResult, TraceRequest, best_hf_cb, run_hf_generate
+from bench.baselines import HF_CB, HF_GENERATE, RunResult, best_hf_cb, run_hf_generate
+from bench.trace import TraceRequest
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.model_loader import LoadedModel

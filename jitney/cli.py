@@ -17,7 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("up", "run everything locally: Redis, a gateway and workers"),
     "simulate": ("simulate", "compare static, dynamic and continuous batching on a step simulator"),
     "generate": ("generate", "run the engine offline on a few prompts"),
-    "bench": ("bench", "benchmarks: `jitney bench offline` (engine vs transformers baselines)"),
+    "bench": (
+        "bench",
+        "benchmarks: `bench offline` (engine vs transformers), `bench serve` (live load)",
+    ),
     "worker": ("worker", "serve a model from the Redis request stream (one per GPU/CPU)"),
     "gateway": ("gateway", "the OpenAI-compatible HTTP gateway (no torch; enqueues into Redis)"),
 }

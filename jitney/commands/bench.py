@@ -1,4 +1,5 @@
-"""`jitney bench offline`: the engine against transformers' baselines on a trace."""
+"""`jitney bench offline`: the engine against transformers' baselines on a trace.
+`jitney bench serve`: load against a live service over the OpenAI streaming API."""
 
 from __future__ import annotations
 
@@ -30,13 +31,125 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     off.add_argument("--output", default="bench-offline.json", help="results JSON")
     off.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add_engine_arguments(off)
+    _add_serve_arguments(sub)
+
+
+def _add_serve_arguments(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser(
+        "serve",
+        help="load a live service (open or closed loop) over the OpenAI streaming API",
+        description="Send a trace's requests to a running gateway (POST /v1/completions, "
+        "streamed, token-id prompts, exact output lengths) and report TTFT, ITL, TPOT, e2e and "
+        "throughput. With --compare, print and chart several result files side by side.",
+    )
+    srv.add_argument("--url", default="http://localhost:8000", help="the gateway's base URL")
+    srv.add_argument("--trace", default=DEFAULT_TRACE, help="trace JSON (shared/traces format)")
+    srv.add_argument("--limit", type=int, default=None, help="use only the first N requests")
+    srv.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    loop = srv.add_mutually_exclusive_group()
+    loop.add_argument(
+        "--rate", type=float, default=None, help="open loop: Poisson arrivals, req/s (inf: all)"
+    )
+    loop.add_argument(
+        "--concurrency", type=int, default=None, help="closed loop: requests in flight"
+    )
+    srv.add_argument(
+        "--arrivals",
+        choices=("poisson", "trace"),
+        default="poisson",
+        help="open loop: Poisson at --rate, or replay the trace's arrival_s",
+    )
+    srv.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    srv.add_argument(
+        "--max-duration",
+        type=float,
+        default=600.0,
+        help="seconds; then what is left is cancelled and counted failed",
+    )
+    srv.add_argument("--label", default=None, help="this run's name in --compare tables")
+    srv.add_argument("--output", default="bench-serve.json", help="results JSON")
+    srv.add_argument(
+        "--plot",
+        default=None,
+        help="chart PNG (default bench-serve.png, bench-compare.png with --compare; '' for none)",
+    )
+    srv.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="RESULT_JSON",
+        default=None,
+        help="no load: compare these result files in one table and one chart",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import aiohttp
+
+    from bench.serve import run_serve, write_json
+    from bench.serve_report import (
+        format_compare,
+        format_table,
+        load_reports,
+        plot_compare,
+        plot_run,
+    )
+    from bench.trace import load_trace
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    if args.compare:
+        reports = load_reports(args.compare)
+        print(format_compare(reports))
+        plot = "bench-compare.png" if args.plot is None else args.plot
+        if plot:
+            plot_compare(reports, plot)
+            say(f"wrote {plot}")
+        return 0
+    if args.arrivals == "trace" and args.rate is not None:
+        raise SystemExit("--arrivals trace replays the trace's times: drop --rate")
+    if args.rate is None and args.concurrency is None and args.arrivals != "trace":
+        raise SystemExit("give --rate R, --concurrency C or --arrivals trace")
+    if args.concurrency is not None and args.arrivals == "trace":
+        raise SystemExit("--arrivals trace is open loop: drop --concurrency")
+    try:
+        report = asyncio.run(
+            run_serve(
+                args.url,
+                load_trace(args.trace, args.limit),
+                rate=args.rate,
+                arrivals=args.arrivals,
+                concurrency=args.concurrency,
+                seed=args.seed,
+                model=args.model,
+                max_duration=args.max_duration,
+                label=args.label,
+                say=say,
+            )
+        )
+    except (ValueError, RuntimeError, aiohttp.ClientError) as e:  # bad flags, or no model list
+        raise SystemExit(f"bench serve: {e}") from None
+    report["trace"] = args.trace
+    report["command"] = " ".join(sys.argv)
+    print(format_table(report))
+    write_json(report, args.output)
+    say(f"wrote {args.output}")
+    plot = "bench-serve.png" if args.plot is None else args.plot
+    if plot:
+        plot_run(report, plot)
+        say(f"wrote {plot}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        return run_serve(args)  # no torch: the load generator is a plain HTTP client
     import torch
 
-    from bench.baselines import load_trace
     from bench.offline import run_offline_bench, write_json
+    from bench.trace import load_trace
     from worker.model_loader import LoadedModel, load_model
 
     if args.threads:

@@ -7,16 +7,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from bench.baselines import (
-    NO_EOS,
-    RunResult,
-    TraceRequest,
-    best_hf_cb,
-    load_trace,
-    percentile,
-    run_hf_cb,
-    run_hf_generate,
-)
+from bench.baselines import NO_EOS, RunResult, best_hf_cb, run_hf_cb, run_hf_generate
+from bench.trace import TraceRequest, load_trace, percentile
 from worker.model_loader import LoadedModel, load_model
 
 # Small enough that every candidate run takes well under a second on the tiny model.

@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 PROTOCOL_VERSION = 1
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -36,7 +37,15 @@ CANCEL_STREAM_MAXLEN = 10_000
 
 def redis_url() -> str:
     """The one place REDIS_URL is read (password and TLS go in the URL: rediss://:pw@host)."""
-    return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+    return os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+
+
+def redacted(url: str) -> str:
+    """The URL without its credentials, for logs."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,3 +73,11 @@ def test_model_card_rebuilds_the_same_tokenizer():
     kwargs = {"add_generation_prompt": True, "tokenize": True, "return_dict": False}
     assert rebuilt.apply_chat_template(chat, **kwargs) == tok.apply_chat_template(chat, **kwargs)
     assert rebuilt.eos_token == tok.eos_token and card.max_model_len == 2048
+
+
+def test_redis_url_is_redacted_for_logs():
+    """A password in REDIS_URL never reaches a log line."""
+    from jitney.protocol import redacted
+
+    assert redacted("rediss://:s3cret@redis.example:6380/0") == "rediss://redis.example:6380/0"
+    assert redacted("redis://user:pw@localhost/1") == "redis://localhost/1"

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
-from jitney.protocol import redis_url
+from jitney.protocol import redacted, redis_url
 
 READY_TIMEOUT_S = 600  # the first start may convert the bundled GGUF model (about a minute)
 
@@ -120,11 +120,31 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    # Stop once: a second signal must not cut the parts' orderly shutdown short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print("\nstopping ...", flush=True)
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (kill, docker stop) stops everything as Ctrl-C does; SIGINT is set explicitly
+    # because a shell starts background jobs with it ignored.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # the parts started so far were stopped, in reverse order
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
-        url = os.environ.get("REDIS_URL") or stack.enter_context(private_redis())
-        if "REDIS_URL" in os.environ:
-            print(f"using Redis at {redis_url()}")
+        external = os.environ.get("REDIS_URL")
+        url = external or stack.enter_context(private_redis())
+        if external:
+            print(f"using Redis at {redacted(redis_url())}")
         else:
             print(f"started a private redis-server at {url}")
         env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
@@ -160,14 +180,10 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.5)
         print(_banner(base, args), flush=True)
-        try:
-            while all(p.poll() is None for p in procs):
-                time.sleep(0.5)
-            print("a part exited; stopping everything", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("\nstopping ...", flush=True)
-            return 0
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("a part exited; stopping everything", file=sys.stderr)
+        return 1
 
 
 def _banner(base: str, args: argparse.Namespace) -> str:

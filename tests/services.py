@@ -11,7 +11,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,3 +161,32 @@ def wait_ready(r: redis.Redis, *workers: Worker, timeout: float = 90) -> None:
             return r.zscore(Keys().workers, w.worker_id) is not None
 
         wait_for(up, timeout, f"{w.worker_id} heartbeat")
+
+
+@contextmanager
+def running_stack(worker_id: str = "w1") -> Iterator[tuple[str, Worker]]:
+    """A private redis-server, one tiny-random `jitney worker` and a `jitney gateway`, all
+    ready; yields the gateway's base URL and the worker, and stops everything afterwards."""
+    server = RedisServer().start()
+    worker = start_worker(server, worker_id)
+    port = free_port()
+    gateway = JitneyProcess(
+        ["gateway", "--host", "127.0.0.1", "--port", str(port)],
+        {"REDIS_URL": server.url},
+        name="gateway",
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(server.client(), worker)
+
+        def ready() -> bool:
+            assert gateway.alive(), gateway.output()
+            with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
+                return resp.status == 200
+
+        wait_for(ready, 60, "gateway /ready")
+        yield base, worker
+    finally:
+        gateway.stop()
+        worker.proc.stop()
+        server.close()

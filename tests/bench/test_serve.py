@@ -13,7 +13,7 @@ import pytest
 from bench.serve import CANCELLED, NOT_SENT, poisson_arrivals, run_serve
 from bench.trace import load_trace, percentile
 from jitney.cli import main
-from tests.services import JitneyProcess, RedisServer, free_port, start_worker, wait_for, wait_ready
+from tests.services import running_stack
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 OUTPUT_LENS = [3, 12, 5, 9, 4, 7, 11, 6]
@@ -21,29 +21,8 @@ OUTPUT_LENS = [3, 12, 5, 9, 4, 7, 11, 6]
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
-    server = RedisServer().start()
-    worker = start_worker(server, "bench-serve-w1")
-    port = free_port()
-    gateway = JitneyProcess(
-        ["gateway", "--host", "127.0.0.1", "--port", str(port)],
-        {"REDIS_URL": server.url},
-        name="gateway",
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(server.client(), worker)
-
-        def ready() -> bool:
-            assert gateway.alive(), gateway.output()
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
-                return resp.status == 200
-
-        wait_for(ready, 60, "gateway /ready")
+    with running_stack("bench-serve-w1") as (url, _):
         yield url
-    finally:
-        gateway.stop()
-        worker.proc.stop()
-        server.close()
 
 
 def write_trace(path: Path, output_lens: list[int], arrivals: list[float] | None = None) -> Path:

@@ -14,15 +14,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from tests.services import (
-    JitneyProcess,
-    RedisServer,
-    Worker,
-    free_port,
-    start_worker,
-    wait_for,
-    wait_ready,
-)
+from tests.services import Worker, running_stack, wait_for
 from tests.worker.engine_helpers import NEAR_TIE, top2_gap
 from worker.config import EngineConfig
 from worker.engine import CompletedRequest, Engine
@@ -34,31 +26,8 @@ MODEL = "tiny-random"
 
 @pytest.fixture(scope="module")
 def system() -> Iterator[tuple[str, Worker]]:
-    server = RedisServer().start()
-    worker = start_worker(server, "e2e-w1")
-    port = free_port()
-    gateway = JitneyProcess(
-        ["gateway", "--host", "127.0.0.1", "--port", str(port)],
-        {"REDIS_URL": server.url},
-        name="gateway",
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(server.client(), worker)
-
-        def ready() -> bool:
-            import urllib.request
-
-            assert gateway.alive(), gateway.output()
-            with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
-                return resp.status == 200
-
-        wait_for(ready, 60, "gateway /ready")
-        yield base, worker
-    finally:
-        gateway.stop()
-        worker.proc.stop()
-        server.close()
+    with running_stack("e2e-w1") as stack:
+        yield stack
 
 
 def offline(prompts: list[list[int]], max_tokens: int) -> list[CompletedRequest]:

@@ -8,9 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install redis up test test-fast test-slow lint simulate clean
+.PHONY: install redis tools up test test-fast test-slow lint simulate clean
 
-install: $(STAMP) redis
+install: $(STAMP) redis tools
 
 # The service and its tests need redis-server 7 or newer (streams with consumer-group lag).
 redis:
@@ -25,6 +25,23 @@ redis:
 	    echo "  brew install redis                  (macOS)"; \
 	    echo "or point REDIS_URL at a Redis 7+ server for 'make up'."; exit 1; \
 	fi
+
+# Debian tools that tests start themselves: nginx (load balancer in front of two gateways) and
+# prometheus (scrapes a live stack to check every dashboard query). Each entry: command:package.
+TEST_TOOLS := nginx:nginx prometheus:prometheus
+tools:
+	@for pair in $(TEST_TOOLS); do \
+	    cmd=$${pair%%:*}; pkg=$${pair#*:}; \
+	    if command -v $$cmd >/dev/null || [ -x /usr/sbin/$$cmd ]; then continue; fi; \
+	    if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	        echo "installing Debian's $$pkg (used by the tests)"; \
+	        (apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1 || \
+	         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	          apt-get install -y -qq --no-install-recommends $$pkg >/dev/null)) || exit 1; \
+	    else \
+	        echo "the tests need $$cmd: sudo apt-get install $$pkg"; exit 1; \
+	    fi; \
+	done
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

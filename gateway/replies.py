@@ -9,7 +9,8 @@ Invariants:
 - after a Redis outage, a request no worker had started whose entry is gone from the request
   stream (Redis came back empty) ends with a final "abort": its client gets a clear 503 at once
   instead of waiting for a reply that cannot come. Started ones go on: their worker still has
-  them and writes to the (recreated) reply stream.
+  them and writes to the (recreated) reply stream. Workers delete an entry together with its
+  final reply, so the reply stream is drained before an entry is called lost.
 """
 
 from __future__ import annotations
@@ -109,18 +110,22 @@ class ReplyRouter:
                 log.exception("reply reader: unexpected error; retrying")
                 await asyncio.sleep(BACKOFF_MAX_S)
 
-    async def _read_once(self) -> None:
-        result = await self.redis.xread(
-            {self.stream: self._last_id}, count=READ_COUNT, block=self.block_ms
-        )
+    async def _read_once(self, block_ms: int | None = -1) -> int:
+        """Route one batch of replies (blocking up to `block_ms`, the default: self.block_ms;
+        None: not at all); returns how many were read."""
+        block = self.block_ms if block_ms == -1 else block_ms
+        result = await self.redis.xread({self.stream: self._last_id}, count=READ_COUNT, block=block)
         if not result:
-            return
+            return 0
+        n = 0
         for _stream, entries in result:
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 self.dispatch(fields)
+                n += 1
         # Everything up to _last_id has been routed: drop it (exact MINID trim, a few entries).
         await self.redis.xtrim(self.stream, minid=next_stream_id(self._last_id), approximate=False)
+        return n
 
     async def _abort_lost(self) -> None:
         waiting = [e for e in self._in_flight.values() if not e.started and e.entry_id]
@@ -130,8 +135,15 @@ class ReplyRouter:
         for entry in waiting:
             pipe.xrange(self.requests, entry.entry_id, entry.entry_id, count=1)
         found = await pipe.execute()
-        for entry, entries in zip(waiting, found, strict=True):
-            if not entries and not entry.started and entry.request_id in self._in_flight:
+        missing = [entry for entry, entries in zip(waiting, found, strict=True) if not entries]
+        if not missing:
+            return
+        # A missing entry may have finished: its final reply went out with its deletion, so
+        # it is in the reply stream by now. Route everything there before calling one lost.
+        while await self._read_once(block_ms=None) == READ_COUNT:
+            pass
+        for entry in missing:
+            if not entry.started and entry.request_id in self._in_flight:
                 log.warning("request lost in a redis outage request_id=%s", entry.request_id)
                 lost = ReplyMessage(
                     entry.request_id, entry.next_seq, finish_reason="abort",

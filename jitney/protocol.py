@@ -5,13 +5,28 @@ two fields: `v` (the protocol version) and `m` (the message as JSON). A reader r
 it does not know instead of misreading it.
 
 Keys (prefix `jitney` by default, so several deployments can share one Redis):
-- `{p}:requests`            stream of RequestMessage; consumer group `workers`
+- `{p}:requests`            stream of RequestMessage; consumer group `workers`. A worker XACKs
+                            and XDELs an entry with its final reply, so the stream holds only
+                            queued and in-progress requests
+- `{p}:progress:{id}`       list, one element per reply a worker published for the request (the
+                            reply's token ids), pushed atomically with the reply: a worker taking
+                            over a dead worker's request continues from exactly what the client got
+- `{p}:dead`                stream of dead-lettered requests (failed MAX_DELIVERIES times)
+- `{p}:fenced:{worker}`     a flag: another worker judged this one dead and took its requests
 - `{p}:replies:{gateway}`   stream of ReplyMessage for the requests one gateway enqueued
 - `{p}:cancels`             stream of CancelMessage; every worker reads all of it
 - `{p}:cancelled:{id}`      a flag with a TTL, so a worker can drop a queued entry before prefill
-- `{p}:workers`             sorted set worker id -> last heartbeat (unix seconds)
+- `{p}:workers`             sorted set worker id -> last heartbeat (unix seconds):
+                            the worker's lease on the requests it holds
 - `{p}:gateways`            sorted set gateway id -> last heartbeat (unix seconds)
+- `{p}:models`              set of the model names with a published card
 - `{p}:model:{name}`        hash: ModelCard published by the workers serving that model
+- `{p}:queued_tokens`       prompt tokens of entries no worker has read yet (all gateways)
+- `{p}:ratelimit:{key_id}`  a token bucket per API key (gateway rate limits)
+
+Reply seq contract: replies of one request carry seq 0, 1, 2, ... with no gaps, whichever worker
+sends them; a worker that takes a request over continues from the progress list's length.
+Delivery is at-least-once, so a gateway drops a reply whose seq it has already delivered.
 """
 
 from __future__ import annotations
@@ -25,9 +40,19 @@ from urllib.parse import urlsplit, urlunsplit
 PROTOCOL_VERSION = 1
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 WORKER_GROUP = "workers"
-# A worker or gateway whose heartbeat is older than this is gone.
+# A worker or gateway whose heartbeat is older than this is gone (hosts' clocks must agree to
+# well within it: NTP).
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5.0
+# A request delivered (read or taken over) more than this many times is dead-lettered.
+MAX_DELIVERIES = 3
+DEAD_LETTER_MAXLEN = 10_000
+# Progress lists outlive any healthy request; the TTL only bounds what a lost one leaves behind.
+PROGRESS_TTL_S = 24 * 3600
+FENCE_TTL_S = 3600
+# The consumer that holds handed-back entries until a live worker takes them over. It never
+# heartbeats, so its entries always count as orphaned.
+RELEASED_CONSUMER = "released"
 # How long a cancel flag outlives the cancel (long enough for any queued entry to be read).
 CANCEL_FLAG_TTL_S = 3600
 # Reply streams are trimmed approximately to this length: a gateway reads within milliseconds.
@@ -74,8 +99,29 @@ class Keys:
     def gateways(self) -> str:
         return f"{self.prefix}:gateways"
 
+    @property
+    def models(self) -> str:
+        return f"{self.prefix}:models"
+
     def model(self, name: str) -> str:
         return f"{self.prefix}:model:{name}"
+
+    def progress(self, request_id: str) -> str:
+        return f"{self.prefix}:progress:{request_id}"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead"
+
+    def fenced(self, worker_id: str) -> str:
+        return f"{self.prefix}:fenced:{worker_id}"
+
+    @property
+    def queued_tokens(self) -> str:
+        return f"{self.prefix}:queued_tokens"
+
+    def ratelimit(self, key_id: str) -> str:
+        return f"{self.prefix}:ratelimit:{key_id}"
 
 
 class ProtocolError(ValueError):

@@ -97,9 +97,15 @@ class Sequence:
         max_tokens: int,
         arrival_time: float = 0.0,
         stop_token_ids: SequenceABC[int] = (),
+        output_token_ids: SequenceABC[int] = (),
     ) -> Sequence:
+        """`output_token_ids`: tokens already generated elsewhere (a request taken over from a
+        dead worker); like a preempted sequence, its K/V is recomputed before it samples again."""
         limits = SamplingLimits(max_tokens, frozenset(stop_token_ids))
-        return cls(seq_id, list(prompt_token_ids), limits, arrival_time)
+        if len(output_token_ids) >= max_tokens:
+            n = len(output_token_ids)
+            raise ValueError(f"{seq_id!r}: {n} output tokens already, max_tokens {max_tokens}")
+        return cls(seq_id, list(prompt_token_ids), limits, arrival_time, list(output_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -142,14 +142,53 @@ class Worker:
 
 
 def start_worker(
-    server: RedisServer, worker_id: str, *flags: str, model: str = "tiny-random"
+    server: RedisServer,
+    worker_id: str,
+    *flags: str,
+    model: str = "tiny-random",
+    env: dict[str, str] | None = None,
 ) -> Worker:
     port = free_port()
     args = ["worker", "--model", model, "--kv-cache-memory", "16MiB", "--metrics-port", str(port),
             "--worker-id", worker_id, *flags]  # fmt: skip
     # One torch thread each: several workers and the test share two cores.
-    env = {"REDIS_URL": server.url, "OMP_NUM_THREADS": "1"}
-    return Worker(JitneyProcess(args, env, name=worker_id), worker_id, port)
+    full_env = {"REDIS_URL": server.url, "OMP_NUM_THREADS": "1", **(env or {})}
+    return Worker(JitneyProcess(args, full_env, name=worker_id), worker_id, port)
+
+
+def start_gateway(server: RedisServer, *flags: str, env: dict[str, str] | None = None) -> Gateway:
+    port = free_port()
+    proc = JitneyProcess(
+        ["gateway", "--host", "127.0.0.1", "--port", str(port), *flags],
+        {"REDIS_URL": server.url, **(env or {})},
+        name="gateway",
+    )
+    return Gateway(proc, f"http://127.0.0.1:{port}")
+
+
+@dataclass
+class Gateway:
+    proc: JitneyProcess
+    base: str
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        def ready() -> bool:
+            assert self.proc.alive(), self.proc.output()
+            with urllib.request.urlopen(f"{self.base}/ready", timeout=2) as resp:
+                return resp.status == 200
+
+        wait_for(ready, timeout, "gateway /ready")
+
+
+@dataclass
+class System:
+    server: RedisServer
+    gateway: Gateway
+    workers: list[Worker]
+
+    @property
+    def base(self) -> str:
+        return self.gateway.base
 
 
 def wait_ready(r: redis.Redis, *workers: Worker, timeout: float = 90) -> None:
@@ -164,29 +203,30 @@ def wait_ready(r: redis.Redis, *workers: Worker, timeout: float = 90) -> None:
 
 
 @contextmanager
-def running_stack(worker_id: str = "w1") -> Iterator[tuple[str, Worker]]:
-    """A private redis-server, one tiny-random `jitney worker` and a `jitney gateway`, all
-    ready; yields the gateway's base URL and the worker, and stops everything afterwards."""
-    server = RedisServer().start()
-    worker = start_worker(server, worker_id)
-    port = free_port()
-    gateway = JitneyProcess(
-        ["gateway", "--host", "127.0.0.1", "--port", str(port)],
-        {"REDIS_URL": server.url},
-        name="gateway",
-    )
-    base = f"http://127.0.0.1:{port}"
+def running_system(
+    worker_ids: tuple[str, ...] = ("w1",),
+    worker_flags: tuple[str, ...] = (),
+    worker_env: dict[str, str] | None = None,
+    appendonly: bool = False,
+) -> Iterator[System]:
+    """A private redis-server, tiny-random `jitney worker`s and a `jitney gateway`, all ready;
+    stops everything afterwards (whatever the test killed already)."""
+    server = RedisServer(appendonly=appendonly).start()
+    workers = [start_worker(server, w, *worker_flags, env=worker_env) for w in worker_ids]
+    gateway = start_gateway(server)
     try:
-        wait_ready(server.client(), worker)
-
-        def ready() -> bool:
-            assert gateway.alive(), gateway.output()
-            with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
-                return resp.status == 200
-
-        wait_for(ready, 60, "gateway /ready")
-        yield base, worker
+        wait_ready(server.client(), *workers)
+        gateway.wait_ready()
+        yield System(server, gateway, workers)
     finally:
-        gateway.stop()
-        worker.proc.stop()
+        gateway.proc.stop()
+        for worker in workers:
+            worker.proc.stop()
         server.close()
+
+
+@contextmanager
+def running_stack(worker_id: str = "w1") -> Iterator[tuple[str, Worker]]:
+    """running_system with one worker: yields the gateway's base URL and the worker."""
+    with running_system((worker_id,)) as system:
+        yield system.base, system.workers[0]

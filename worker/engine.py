@@ -120,8 +120,15 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request. Raises RequestTooLongError or InfeasibleRequestError (ValueErrors)."""
+        """Queue a request. Raises RequestTooLongError or InfeasibleRequestError (ValueErrors).
+
+        `output_token_ids`: tokens another worker already generated and delivered (a takeover).
+        The request continues after them: their K/V is recomputed, the detokenizer replays them
+        (so only text after them is emitted) and seeded sampling resumes at their position.
+        """
+        resumed = list(output_token_ids or ())
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestTooLongError(
@@ -137,12 +144,14 @@ class Engine:
             params.max_tokens,
             time.monotonic() if arrival_time is None else arrival_time,
             sorted(stop_ids),
+            resumed,
         )
+        detok = IncrementalDetokenizer.create(self.loaded.tokenizer, prompt_token_ids, params.stop)
+        for token in resumed:
+            detok.add(token)
         self.policy.add_request(seq)
         self.requests[request_id] = _Request(
-            seq,
-            SamplerState.create(params, self.device),
-            IncrementalDetokenizer.create(self.loaded.tokenizer, prompt_token_ids, params.stop),
+            seq, SamplerState.create(params, self.device, num_drawn=len(resumed)), detok
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -150,6 +159,30 @@ class Engine:
         if self.policy.abort(request_id, time.monotonic()) is None:
             return None
         return self._final_output(self.requests.pop(request_id))
+
+    def reset(self) -> None:
+        """Drop every request (after a failed step, or when they were handed to another worker).
+        A step that raised may have left the scheduler half-updated: if the block accounting no
+        longer adds up, start from a fresh pool and policy (the KV tensors are reused)."""
+        for request_id in list(self.requests):
+            try:
+                self.abort(request_id)
+            except Exception:  # a half-updated sequence: the integrity check below decides
+                self.requests.pop(request_id, None)
+        try:
+            if self.policy.has_unfinished():
+                raise AssertionError("requests left after aborting them all")
+            self.block_manager.check_integrity()
+            if self.block_manager.num_used_blocks:
+                raise AssertionError(f"{self.block_manager.num_used_blocks} blocks still used")
+        except AssertionError as e:
+            logger.warning("engine state rebuilt after a failed step: %s", e)
+            config = self.config
+            self.block_manager = KVBlockManager(
+                self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
+            )
+            self.policy = make_policy(config.batching, config.scheduler_config(),
+                                      self.block_manager)  # fmt: skip
 
     def has_unfinished(self) -> bool:
         return self.policy.has_unfinished()

@@ -10,14 +10,20 @@ Every exporter has its own CollectorRegistry, so several in one process (tests) 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from scheduler import SchedulerStats
 
@@ -90,17 +96,47 @@ class WorkerMetrics:
         self.prefix_queries = counter(
             "jitney_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )
+        self._handoffs = Counter(
+            "jitney_request_handoffs",
+            "Requests taken over from a dead worker, handed back, dead-lettered, or aborted "
+            "because their gateway died",
+            (*LABELS, "event"),
+            registry=r,
+        )
         self._steps = Counter(
             "jitney_steps", "Engine steps by the limit that bound them", (*LABELS, "limit"),
             registry=r,
         )  # fmt: skip
         # The scheduler's counters are running totals; the exporter adds their increments.
         self._last_totals = (0, 0, 0)
+        # /ready answers this (the service sets it: joined and not stopping).
+        self.ready: Callable[[], bool] = lambda: True
+
+    def handoff(self, event: str, n: int = 1) -> None:
+        """event: taken_over | handed_back | dead_lettered | gateway_gone."""
+        if n:
+            self._handoffs.labels(**self._labels, event=event).inc(n)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve /metrics in a background thread; returns the port (useful when `port` is 0)."""
+        """Serve /metrics, /health (the process is up) and /ready (taking work) in a background
+        thread; returns the port (useful when `port` is 0)."""
         disable_created_metrics()  # no `_created` series: dashboards never read them
-        server, _thread = start_http_server(port, addr, registry=self.registry)
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path == "/health":
+                start_response("200 OK", [("Content-Type", "text/plain")])
+                return [b"ok\n"]
+            if path == "/ready":
+                ok = self.ready()
+                start_response("200 OK" if ok else "503 Service Unavailable",
+                               [("Content-Type", "text/plain")])  # fmt: skip
+                return [b"ready\n" if ok else b"not ready\n"]
+            return metrics_app(environ, start_response)
+
+        server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="jitney-metrics", daemon=True).start()
         return server.server_port
 
     # ----- per step ------------------------------------------------------------------------
@@ -144,3 +180,8 @@ class WorkerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         if e2e_s is not None:
             self.e2e.observe(max(0.0, e2e_s))
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds: no access log."""

@@ -6,17 +6,78 @@ Pure I/O: decoding, validation and logging are the service's. Every key comes fr
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis
 
-from jitney.protocol import REPLY_STREAM_MAXLEN, WORKER_GROUP, Keys, ModelCard, ReplyMessage
+from jitney.protocol import (
+    DEAD_LETTER_MAXLEN,
+    FENCE_TTL_S,
+    PROGRESS_TTL_S,
+    RELEASED_CONSUMER,
+    REPLY_STREAM_MAXLEN,
+    WORKER_GROUP,
+    Keys,
+    ModelCard,
+    ReplyMessage,
+)
 
 # A blocking read must return before the socket times out (redis-py raises TimeoutError then).
 SOCKET_TIMEOUT_MARGIN_S = 5.0
 MAX_CANCELS_PER_READ = 1000
+# Handed-back entries are marked idle this long, so any claimer's min-idle test passes at once.
+RELEASED_IDLE_MS = 24 * 3600 * 1000
+
+# One step's replies, progress and acks, applied atomically unless this worker has been fenced
+# (another worker judged it dead and took its requests over): a fenced worker's late writes would
+# interleave with its successor's. Returns 0 when fenced, 1 when applied.
+# KEYS: fence flag, request stream. ARGV: group, reply maxlen, progress ttl, then operations:
+#   R stream nomkstream(0|1) v m final(0|1) progress_key tokens_json   (a reply)
+#   A entry_id                                                         (XACK + XDEL)
+#   D key                                                              (DEL, e.g. a progress list)
+_PUBLISH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local group, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3]
+local i = 4
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'R' then
+    local stream, nomk, v, m, final, progress = ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4],
+      ARGV[i+5], ARGV[i+6]
+    if nomk == '1' then
+      redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'v', v, 'm', m)
+    else
+      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'v', v, 'm', m)
+    end
+    if final == '1' then
+      redis.call('DEL', progress)
+    elseif redis.call('RPUSH', progress, ARGV[i+7]) == 1 then
+      redis.call('EXPIRE', progress, ttl)
+    end
+    i = i + 8
+  elseif op == 'A' then
+    -- pcall: after a restart without persistence the group may be gone; nothing to ack then
+    redis.pcall('XACK', KEYS[2], group, ARGV[i+1])
+    redis.call('XDEL', KEYS[2], ARGV[i+1])
+    i = i + 2
+  else
+    redis.call('DEL', ARGV[i+1])
+    i = i + 2
+  end
+end
+return 1
+"""
+
+# The heartbeat renews the lease only while not fenced: a fenced worker must not look alive
+# until it has handed back what it still holds. Returns 1 (renewed) or 0 (fenced).
+_HEARTBEAT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
 
 Fields = dict[bytes, bytes]
 
@@ -36,10 +97,38 @@ class Outbox:
     """
 
     replies: list[tuple[str, ReplyMessage]] = field(default_factory=list)
-    acks: list[str] = field(default_factory=list)
+    acks: list[str] = field(default_factory=list)  # entries to XACK and XDEL
+    forget: list[str] = field(default_factory=list)  # requests whose progress list goes
+    # Reply streams of gateways that are gone: replies go only if the stream still exists.
+    gone_streams: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.replies or self.acks)
+        return bool(self.replies or self.acks or self.forget)
+
+
+@dataclass(slots=True)
+class Orphan:
+    """A pending entry whose consumer holds no lease (a dead worker, or handed back)."""
+
+    entry_id: str
+    consumer: str
+    times_delivered: int
+
+
+@dataclass(slots=True)
+class Claimed:
+    entry: Entry
+    deliveries: int  # including this claim
+    delivered: list[list[int]]  # token ids of each reply already published (the progress list)
+
+
+@dataclass(slots=True)
+class Roster:
+    """Who holds a lease, and which pending entries have no live holder. One round trip."""
+
+    live_workers: set[str]
+    consumers: dict[str, int]  # consumer -> pending entries
+    gateways: dict[str, float]  # gateway id -> last heartbeat (unix seconds)
 
 
 class WorkerRedis:
@@ -73,18 +162,59 @@ class WorkerRedis:
         newest = self.client.xrevrange(self.keys.cancels, count=1)
         return newest[0][0].decode() if newest else "0-0"
 
-    def heartbeat(self, card: ModelCard) -> None:
-        """Refresh this worker's heartbeat; publish the model card if it is missing (first
-        heartbeat, or a Redis restart lost it). One round trip unless the card is missing."""
+    def heartbeat(self, card: ModelCard) -> bool:
+        """Renew this worker's lease; publish the model card if it is missing (a Redis restart
+        lost it). One round trip unless the card is missing. False: this worker is fenced."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(self.keys.workers, {self.worker_id: time.time()})
+        fence, workers = self.keys.fenced(self.worker_id), self.keys.workers
+        pipe.eval(_HEARTBEAT, 2, fence, workers, self.worker_id, time.time())
         pipe.exists(self.keys.model(card.name))
-        _, has_card = pipe.execute()
+        renewed, has_card = pipe.execute()
         if not has_card:
             self.publish_card(card)
+        return bool(renewed)
 
     def publish_card(self, card: ModelCard) -> None:
-        self.client.hset(self.keys.model(card.name), mapping=card.encode())
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.model(card.name), mapping=card.encode())
+        pipe.sadd(self.keys.models, card.name)
+        pipe.execute()
+
+    def release_own(self) -> int:
+        """Hand back every entry this consumer holds (a restarted worker reusing its id, or a
+        fenced one): they go to the released consumer, for any live worker to take over."""
+        pending = self._own_pending()
+        return self.release(list(pending))
+
+    def release(self, entry_ids: Sequence[str], graceful: bool = False) -> int:
+        """Move entries to the released consumer. The delivery count rises by one when a live
+        worker takes one; `graceful` (a shutdown, not a failure) first lowers it by one, so
+        a rolling update never pushes a request towards the dead-letter stream."""
+        if not entry_ids:
+            return 0
+        counts: dict[int, list[str]] = {}
+        delivered = self._own_pending() if graceful else {}
+        for entry_id in entry_ids:
+            retry = max(delivered.get(entry_id, 1) - 1, 0) if graceful else -1
+            counts.setdefault(retry, []).append(entry_id)
+        pipe = self.client.pipeline(transaction=False)
+        for retry, ids in counts.items():
+            # JUSTID leaves the count alone unless RETRYCOUNT sets it.
+            pipe.xclaim(self.keys.requests, WORKER_GROUP, RELEASED_CONSUMER, 0, ids,
+                        idle=RELEASED_IDLE_MS, retrycount=retry if retry >= 0 else None,
+                        justid=True)  # fmt: skip
+        pipe.execute()
+        return len(entry_ids)
+
+    def _own_pending(self) -> dict[str, int]:
+        """This consumer's pending entries -> their delivery counts."""
+        pending = self.client.xpending_range(
+            self.keys.requests, WORKER_GROUP, "-", "+", 100_000, consumername=self.worker_id
+        )
+        return {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+
+    def unfence(self) -> None:
+        self.client.delete(self.keys.fenced(self.worker_id))
 
     def leave(self) -> None:
         self.client.zrem(self.keys.workers, self.worker_id)
@@ -116,13 +246,120 @@ class WorkerRedis:
             pipe.exists(self.keys.cancelled(request_id))
         return [bool(n) for n in pipe.execute()]
 
-    def publish(self, outbox: Outbox) -> None:
-        pipe = self.client.pipeline(transaction=False)
+    def publish(self, outbox: Outbox) -> bool:
+        """Apply one step's writes atomically; False (nothing written) if this worker is fenced."""
+        args: list[str | int] = [WORKER_GROUP, REPLY_STREAM_MAXLEN, PROGRESS_TTL_S]
         for stream, reply in outbox.replies:
-            pipe.xadd(stream, reply.encode(), maxlen=REPLY_STREAM_MAXLEN, approximate=True)
-        if outbox.acks:
-            pipe.xack(self.keys.requests, WORKER_GROUP, *outbox.acks)
+            fields = reply.encode()
+            args += ["R", stream, int(stream in outbox.gone_streams), fields["v"], fields["m"],
+                     int(reply.is_final), self.keys.progress(reply.request_id),
+                     json.dumps(reply.token_ids)]  # fmt: skip
+        for entry_id in outbox.acks:
+            args += ["A", entry_id]
+        for request_id in outbox.forget:
+            args += ["D", self.keys.progress(request_id)]
+        fence = self.keys.fenced(self.worker_id)
+        return bool(self.client.eval(_PUBLISH, 2, fence, self.keys.requests, *args))
+
+    # ----- taking over orphaned work -------------------------------------------------------
+    def roster(self, lease_s: float) -> Roster:
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrangebyscore(self.keys.workers, now - lease_s, "+inf")
+        pipe.xinfo_consumers(self.keys.requests, WORKER_GROUP)
+        pipe.zrange(self.keys.gateways, 0, -1, withscores=True)
+        try:
+            live, consumers, gateways = pipe.execute()
+        except redis.ResponseError as e:  # Redis restarted without persistence: no stream/group
+            if "NOGROUP" not in str(e) and "no such key" not in str(e):
+                raise
+            self.ensure_group()
+            return Roster(set(), {}, {})
+        return Roster(
+            {w.decode() for w in live},
+            {_text(c["name"]): int(c["pending"]) for c in consumers},
+            {_text(g): float(score) for g, score in gateways},
+        )
+
+    def fence(self, consumers: Sequence[str]) -> None:
+        """Mark workers dead before taking their entries: their late writes are refused."""
+        pipe = self.client.pipeline(transaction=False)
+        for consumer in consumers:
+            pipe.set(self.keys.fenced(consumer), 1, ex=FENCE_TTL_S)
+            pipe.zrem(self.keys.workers, consumer)
         pipe.execute()
+
+    def orphans(self, consumers: Sequence[str], count: int) -> list[Orphan]:
+        """Up to `count` of each consumer's pending entries, oldest first."""
+        pipe = self.client.pipeline(transaction=False)
+        for consumer in consumers:
+            pipe.xpending_range(self.keys.requests, WORKER_GROUP, "-", "+", count,
+                                consumername=consumer)  # fmt: skip
+        found = [
+            Orphan(_text(p["message_id"]), consumer, int(p["times_delivered"]))
+            for consumer, pending in zip(consumers, pipe.execute(), strict=True)
+            for p in pending
+        ]
+        return sorted(found, key=lambda o: _id_key(o.entry_id))
+
+    def claim(self, orphans: Sequence[Orphan], min_idle_ms: int) -> list[Claimed]:
+        """XCLAIM them for this worker (an entry another claimer took first is skipped: the
+        min-idle test fails once its idle time was reset) and read their progress lists."""
+        if not orphans:
+            return []
+        times = {o.entry_id: o.times_delivered for o in orphans}
+        got = self.client.xclaim(self.keys.requests, WORKER_GROUP, self.worker_id, min_idle_ms,
+                                 [o.entry_id for o in orphans])  # fmt: skip
+        entries = [Entry(_text(i), fields) for i, fields in got if fields]
+        gone = [_text(i) for i, fields in got if not fields]  # deleted: nothing to serve
+        if gone:
+            self.client.xack(self.keys.requests, WORKER_GROUP, *gone)
+        pipe = self.client.pipeline(transaction=False)
+        for entry in entries:
+            pipe.lrange(self.keys.progress(_request_id(entry.fields)), 0, -1)
+        progress = pipe.execute() if entries else []
+        return [
+            Claimed(entry, times[entry.entry_id] + 1, [json.loads(p) for p in items])
+            for entry, items in zip(entries, progress, strict=True)
+        ]
+
+    def dead_letter(self, entry: Entry, reason: str) -> None:
+        fields = {**entry.fields, "entry_id": entry.entry_id, "reason": reason}
+        stream = self.keys.dead_letters
+        self.client.xadd(stream, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+
+    def forget_gateways(self, gateway_ids: Sequence[str], reply_streams: Sequence[str]) -> None:
+        """A gateway gone for good: its heartbeat and its reply stream go."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrem(self.keys.gateways, *gateway_ids)
+        pipe.delete(*reply_streams)
+        pipe.execute()
+
+    def forget_consumers(self, consumers: Sequence[str]) -> None:
+        """Dead consumers with nothing pending (worker ids are per process: they add up)."""
+        for consumer in consumers:
+            # Only with nothing pending: DELCONSUMER drops a consumer's pending entries.
+            pending = self.client.xpending_range(self.keys.requests, WORKER_GROUP, "-", "+", 1,
+                                                 consumername=consumer)  # fmt: skip
+            if not pending:
+                self.client.xgroup_delconsumer(self.keys.requests, WORKER_GROUP, consumer)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _request_id(fields: Fields) -> str:
+    """The request id of an entry without validating the rest (the service decodes it)."""
+    try:
+        return str(json.loads(fields[b"m"])["request_id"])
+    except (KeyError, TypeError, ValueError):
+        return ""
 
 
 def _entries(reply: object) -> list[Entry]:

@@ -30,8 +30,10 @@ class TrackedRequest:
     entry_id: str
     reply_to: str
     enqueue_time: float  # the gateway's enqueue time on this process's time.monotonic() clock
-    next_seq: int = 0
+    gateway_id: str = ""
+    next_seq: int = 0  # a takeover continues the seq of the replies already published
     last_token_time: float | None = None
+    last_chance: bool = False  # one more failure and it is dead-lettered
 
 
 @dataclass(slots=True)
@@ -43,7 +45,13 @@ class ReplyBook:
 
     def track(self, request_id: str, request: TrackedRequest) -> None:
         self.tracked[request_id] = request
-        self.unscheduled.add(request_id)
+        if request.next_seq == 0:  # a takeover's queue delay and TTFT were observed before
+            self.unscheduled.add(request_id)
+
+    def drop(self, request_id: str) -> TrackedRequest:
+        """Forget a request without any reply (handed back, or taken over by another worker)."""
+        self.unscheduled.discard(request_id)
+        return self.tracked.pop(request_id)
 
     def clear_outbox(self) -> None:
         """After a successful publish (a failed one leaves the outbox to retry whole)."""

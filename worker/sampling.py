@@ -1,8 +1,9 @@
 """Per-request sampling: parameters, a reproducible random stream per request, batched picks.
 
 Greedy rows are one argmax over the batch. Random rows each draw from their own
-`torch.Generator`, seeded from the request's `seed`, so a request samples the same tokens whatever
-else shares its batch, and a preempted request continues its stream where it stopped.
+`torch.Generator`, reseeded before every draw from the request's `seed` and the draw's position,
+so a request samples the same tokens whatever else shares its batch, after a preemption, and on
+another worker that took it over from a dead one.
 """
 
 from __future__ import annotations
@@ -48,13 +49,28 @@ class SamplerState:
 
     params: SamplingParams
     generator: torch.Generator | None = field(default=None)
+    seed: int = 0
+    num_drawn: int = 0  # output position of the next draw
 
     @classmethod
-    def create(cls, params: SamplingParams, device: torch.device) -> SamplerState:
+    def create(
+        cls, params: SamplingParams, device: torch.device, num_drawn: int = 0
+    ) -> SamplerState:
         if params.is_greedy:
             return cls(params)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return cls(params, torch.Generator(device=device).manual_seed(seed))
+        return cls(params, torch.Generator(device=device), seed, num_drawn)
+
+    def next_generator(self) -> torch.Generator:
+        """The generator for the next draw: a pure function of (seed, position)."""
+        assert self.generator is not None
+        mixed = (self.seed ^ (self.num_drawn * _GOLDEN)) & _SEED_MASK
+        self.num_drawn += 1
+        return self.generator.manual_seed(mixed)
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive positions over the seed space
+_SEED_MASK = (1 << 63) - 1
 
 
 def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
@@ -62,7 +78,7 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
     tokens = logits.argmax(dim=-1).tolist()  # right for every greedy row, cheap for the rest
     for i, state in enumerate(states):
         if state.generator is not None:
-            tokens[i] = _sample_row(logits[i], state.params, state.generator)
+            tokens[i] = _sample_row(logits[i], state.params, state.next_generator())
     return tokens
 
 

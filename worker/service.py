@@ -3,17 +3,24 @@
 One iteration, each part a bounded number of round trips:
 1. publish what a failed round trip left unsent (the outbox);
 2. read new cancels and abort those requests if this worker holds them;
-3. if the engine can start more now, XREADGROUP exactly that many (BLOCK only when idle); drop
+3. every SCAN_INTERVAL_S: abort requests of dead gateways, take over orphaned requests (dead
+   workers', handed-back ones) while there is room, dead-letter poison ones (worker/takeover.py);
+4. if the engine can start more now, XREADGROUP exactly that many (BLOCK only when idle); drop
    cancelled or expired entries, reject invalid ones, add the rest to the engine;
-4. one engine step; the deltas of the whole batch and the XACKs of finished requests go out in
-   one pipelined round trip;
-5. heartbeat when due.
+5. one engine step; the deltas of the whole batch, their progress lists and the XACK+XDEL of
+   finished requests go out atomically in one round trip (refused if this worker was fenced).
+A heartbeat thread renews the lease while the loop makes progress.
 A worker never hoards: what it reads it can start now, so another worker gets the rest.
+
+Failures: a step that raises hands its requests back (another worker, or this one, continues
+them; a request that keeps failing is dead-lettered); SIGTERM stops reading, finishes in-flight
+work within the shutdown timeout and hands back the rest.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,10 +35,12 @@ from jitney.protocol import (
     RequestMessage,
 )
 from worker.engine import Engine
+from worker.failpoints import Failpoints
 from worker.metrics import WorkerMetrics
-from worker.redis_io import Entry, WorkerRedis
+from worker.redis_io import Claimed, Entry, WorkerRedis
 from worker.replies import ReplyBook, TrackedRequest, kv
 from worker.sampling import SamplingParams
+from worker.takeover import Takeover
 
 logger = logging.getLogger("jitney.worker")
 
@@ -43,6 +52,12 @@ SHUTDOWN_PUBLISH_GRACE_S = 5.0
 WAITING_POLL_MS = 5
 TYPICAL_BLOCKS_EMA = 0.2
 INVALID_REQUEST = "invalid_request_error"
+# The heartbeat thread stops renewing the lease when the loop has not come round for this long
+# (a hung step): other workers then take its requests over.
+LOOP_STALL_S = 60.0
+# This many failed steps in a row (none succeeding in between) and the worker exits non-zero:
+# the device is broken, not a request (a poison request fails at most MAX_DELIVERIES times).
+MAX_CONSECUTIVE_STEP_FAILURES = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +79,19 @@ class ServiceConfig:
 class _LoopState:
     inbox: list[Entry] = field(default_factory=list)  # read from the group, not yet taken in
     cancels_after: str | None = None  # last cancel entry seen; None until joined
-    next_heartbeat: float = 0.0
     stop_at: float | None = None  # monotonic deadline for in-flight work once stopping
     stop_logged: bool = False
     last_step_empty: bool = False
     typical_blocks: float = 1.0  # KV blocks a request needs at admission (moving average)
     redis_down_since: float | None = None
     backoff_s: float = BACKOFF_START_S
+    dead_gateways: set[str] = field(default_factory=set)
+    step_failures: int = 0  # consecutive
+    loop_alive_at: float = field(default_factory=time.monotonic)  # for the heartbeat thread
+
+
+class StepFailuresExceeded(RuntimeError):
+    """Steps keep failing whatever they run: exit and let the supervisor restart the worker."""
 
 
 class WorkerService:
@@ -81,14 +102,19 @@ class WorkerService:
         config: ServiceConfig,
         metrics: WorkerMetrics,
         card: ModelCard,
+        failpoints: Failpoints | None = None,
     ):
         self.engine = engine
         self.io = io
         self.config = config
         self.metrics = metrics
         self.card = card
+        self.failpoints = failpoints or Failpoints()
         self.book = ReplyBook(metrics)
         self.state = _LoopState()
+        self.takeover = Takeover(io)
+        self._fenced = threading.Event()  # set by the heartbeat thread
+        self._heartbeat_stop = threading.Event()
         # Requests reserve prompt + max_tokens at admission under these settings.
         self._reserves = engine.config.reserve_full_length or engine.config.batching != "continuous"
 
@@ -104,39 +130,72 @@ class WorkerService:
     def stopping(self) -> bool:
         return self.state.stop_at is not None
 
+    @property
+    def ready(self) -> bool:
+        """Joined and taking work (a stopping worker is not: it only finishes what it has)."""
+        return self.state.cancels_after is not None and not self.stopping
+
     def run(self) -> None:
         s, book = self.state, self.book
         while s.cancels_after is None:
             if self.stopping:
                 return
             self._guarded(self._join)
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="jitney-heartbeat")
+        heartbeat.start()
         logger.info("worker_ready %s", kv(worker=self.config.worker_id, model=self.card.name))
-        while not (self.stopping and not (book.tracked or s.inbox or book.outbox)):
-            self._guarded(self._iteration)
-            if s.stop_at is None:
-                continue
-            if not s.stop_logged:
-                s.stop_logged = True
-                logger.info("stopping %s", kv(in_flight=len(book.tracked)))
-            if time.monotonic() >= s.stop_at:
-                self._abort_all("worker shutting down")
-                if time.monotonic() >= s.stop_at + SHUTDOWN_PUBLISH_GRACE_S:
-                    logger.error("replies_lost %s", kv(requests=len(book.tracked) + len(s.inbox)))
-                    break
+        try:
+            while not (self.stopping and not (book.tracked or s.inbox or book.outbox)):
+                s.loop_alive_at = time.monotonic()
+                self._guarded(self._iteration)
+                if s.stop_at is None:
+                    continue
+                if not s.stop_logged:
+                    s.stop_logged = True
+                    logger.info("stopping %s", kv(in_flight=len(book.tracked)))
+                if time.monotonic() >= s.stop_at:
+                    self._guarded(lambda: self._hand_back(graceful=True))
+                    if time.monotonic() >= s.stop_at + SHUTDOWN_PUBLISH_GRACE_S:
+                        # Still ours in the group: taken over once our lease lapses.
+                        logger.error("hand_back_failed %s", kv(requests=len(book.tracked)))
+                        break
+        finally:
+            self._heartbeat_stop.set()
+            heartbeat.join()
         self._guarded(self.io.leave)
         logger.info("worker_stopped %s", kv(worker=self.config.worker_id))
 
     def _join(self) -> None:
-        self.io.ensure_group()
-        self.io.publish_card(self.card)  # overwrite: a restarted worker may bring a new tokenizer
-        self.state.cancels_after = self.io.last_cancel_id()
+        io = self.io
+        io.ensure_group()
+        io.publish_card(self.card)  # overwrite: a restarted worker may bring a new tokenizer
+        # A restarted worker reusing its id (a pod restart) finds its old entries pending under
+        # its name: hand them back so the takeover path continues them.
+        released = io.release_own()
+        if released:
+            logger.warning("released_previous_entries %s", kv(entries=released))
+        io.unfence()
+        io.heartbeat(self.card)
+        self.state.cancels_after = io.last_cancel_id()
+
+    def _heartbeat_loop(self) -> None:
+        """Renew the lease every HEARTBEAT_INTERVAL_S while the loop is alive, from a thread of
+        its own: a long step (a big prefill on a slow device) must not look like a dead worker."""
+        while not self._heartbeat_stop.wait(HEARTBEAT_INTERVAL_S):
+            if time.monotonic() - self.state.loop_alive_at > LOOP_STALL_S:
+                continue  # hung: let the lease lapse so others take the work over
+            try:
+                if not self.io.heartbeat(self.card):
+                    self._fenced.set()
+            except redis.RedisError:
+                pass  # the loop logs the outage and backs off
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         """Run one unit of work; on a Redis outage back off (exponentially, capped) and return."""
         s = self.state
         try:
             fn()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except redis.RedisError as e:  # an outage, or an error reply: never crash the loop
             if s.redis_down_since is None:
                 s.redis_down_since = time.monotonic()
                 logger.warning("redis_unavailable %s", kv(error=type(e).__name__, detail=e))
@@ -147,20 +206,23 @@ class WorkerService:
             down = time.monotonic() - s.redis_down_since
             logger.warning("redis_recovered %s", kv(down_s=f"{down:.1f}"))
             s.redis_down_since = None
+            # Every lease lapsed while Redis was away: give the others a lease period to renew
+            # theirs before judging anyone dead (no mass takeover of healthy work).
+            self.takeover.next_scan = time.monotonic() + self.takeover.lease_s
         s.backoff_s = BACKOFF_START_S
 
     # ----- one iteration -------------------------------------------------------------------
     def _iteration(self) -> None:
-        s = self.state
+        if self._fenced.is_set():
+            self._on_fenced()
         self._publish()  # what a failed round trip left: nothing steps while deltas are unsent
         self._read_cancels()
+        if not self.stopping and self.takeover.due():
+            self._scan()
         self._admit()
         if self.engine.has_unfinished():
             self._step()
-        self._publish()  # the whole step's replies and acks: one round trip
-        if time.monotonic() >= s.next_heartbeat:
-            self.io.heartbeat(self.card)
-            s.next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL_S
+        self._publish()  # the whole step's replies, progress and acks: one round trip
         kv_blocks = self.engine.block_manager
         self.metrics.set_state(
             self.engine.num_running,
@@ -172,8 +234,58 @@ class WorkerService:
 
     def _publish(self) -> None:
         if self.book.outbox:
-            self.io.publish(self.book.outbox)
+            applied = self.io.publish(self.book.outbox)
             self.book.clear_outbox()
+            if not applied:
+                self._on_fenced()
+
+    def _on_fenced(self) -> None:
+        """Another worker judged this one dead and took (some of) its requests: drop them all
+        without a word (the successors continue them), hand back what is still ours, rejoin."""
+        dropped = len(self.book.tracked)
+        self._drop_all()
+        self.book.clear_outbox()
+        released = self.io.release_own()
+        self.io.unfence()
+        self._fenced.clear()
+        self.io.heartbeat(self.card)
+        logger.warning("fenced %s", kv(dropped=dropped, released=released))
+
+    def _drop_all(self) -> list[str]:
+        """Forget every request locally (engine and book); returns their entry ids."""
+        entry_ids = [entry.entry_id for entry in self.state.inbox]
+        self.state.inbox = []
+        for request_id in list(self.book.tracked):
+            entry_ids.append(self.book.drop(request_id).entry_id)
+        self.engine.reset()
+        return entry_ids
+
+    def _hand_back(self, graceful: bool) -> None:
+        """Give every request this worker holds to whoever takes it over next (maybe itself),
+        after publishing what is already computed. `graceful`: the hand-back does not count as
+        a failed delivery (a shutdown), otherwise it does (a failed step)."""
+        self._publish()
+        entry_ids = self._drop_all()
+        self.io.release(entry_ids, graceful)
+        self.metrics.handoff("handed_back", len(entry_ids))
+        if entry_ids:
+            logger.warning("handed_back %s", kv(requests=len(entry_ids), graceful=graceful))
+
+    def _scan(self) -> None:
+        s, book = self.state, self.book
+        holds_last_chance = any(r.last_chance for r in book.tracked.values())
+        result = self.takeover.scan(self._num_admittable(), holds_last_chance)
+        s.dead_gateways = result.dead_gateways
+        orphaned = [rid for rid, r in book.tracked.items() if r.gateway_id in s.dead_gateways]
+        now = time.monotonic()
+        for request_id in orphaned:  # nobody will read the replies: free the slot and KV now
+            out = self.engine.abort(request_id)
+            if out is not None:
+                book.outbox.gone_streams.add(book.tracked[request_id].reply_to)
+                book.finish(out, now, "the gateway holding this request is gone")
+        self.metrics.handoff("gateway_gone", len(orphaned))
+        if result.claimed:
+            self._take_over(result.claimed)
 
     def _read_cancels(self) -> None:
         s = self.state
@@ -225,19 +337,64 @@ class WorkerService:
                 logger.warning("bad_request_entry %s", kv(entry=entry.entry_id, error=e))
                 book.outbox.acks.append(entry.entry_id)
         flags = self.io.cancel_flags([msg.request_id for _, msg in messages])
-        now_wall, now = time.time(), time.monotonic()
         for (entry, msg), cancelled in zip(messages, flags, strict=True):
-            waited = max(0.0, now_wall - msg.enqueue_time)
-            request = TrackedRequest(entry.entry_id, msg.reply_to, now - waited)
+            request = self._tracked(entry, msg)
             if msg.request_id in book.tracked:  # at-least-once delivery: already serving it
                 logger.warning("duplicate_request %s", kv(request=msg.request_id))
                 book.outbox.acks.append(entry.entry_id)
             elif cancelled:  # the client left while it was queued: drop before prefill
                 book.reject(msg.request_id, request, "abort", None)
-            elif msg.deadline is not None and now_wall > msg.deadline:
-                book.reject(msg.request_id, request, "expired", "deadline passed before start")
-            else:
+            elif not self._dropped_before_start(msg, request):
                 self._start(msg, request)
+
+    def _tracked(self, entry: Entry, msg: RequestMessage, next_seq: int = 0) -> TrackedRequest:
+        waited = max(0.0, time.time() - msg.enqueue_time)
+        enqueue_time = time.monotonic() - waited
+        return TrackedRequest(entry.entry_id, msg.reply_to, enqueue_time, msg.gateway_id, next_seq)
+
+    def _dropped_before_start(self, msg: RequestMessage, request: TrackedRequest) -> bool:
+        """End a request whose client cannot get it any more (expired, gateway gone)."""
+        if msg.gateway_id in self.state.dead_gateways:
+            self.book.outbox.gone_streams.add(msg.reply_to)
+            self.book.reject(msg.request_id, request, "abort", "the gateway is gone")
+            self.metrics.handoff("gateway_gone")
+            return True
+        if msg.deadline is not None and time.time() > msg.deadline:
+            self.book.reject(msg.request_id, request, "expired", "deadline passed before start")
+            return True
+        return False
+
+    def _take_over(self, claimed: list[Claimed]) -> None:
+        """Continue requests another worker published part of (or dead-letter poison ones)."""
+        book = self.book
+        for c in claimed:
+            try:
+                msg = self._decode(c.entry)
+            except ProtocolError as e:
+                logger.warning("bad_request_entry %s", kv(entry=c.entry.entry_id, error=e))
+                book.outbox.acks.append(c.entry.entry_id)
+                continue
+            if msg.request_id in book.tracked:  # already ours (a rejoin raced the takeover)
+                continue
+            request = self._tracked(c.entry, msg, next_seq=len(c.delivered))
+            request.last_chance = self.takeover.is_last_chance(c.deliveries)
+            if self.takeover.is_poison(c):
+                reason = f"failed on {c.deliveries - 1} deliveries"
+                self.io.dead_letter(c.entry, reason)
+                book.reject(msg.request_id, request, "error",
+                            f"The request could not be served ({reason}); it was dead-lettered.",
+                            "server_error")  # fmt: skip
+                self.metrics.handoff("dead_lettered")
+                logger.error("dead_lettered %s", kv(request=msg.request_id, reason=reason))
+            elif not self._dropped_before_start(msg, request):
+                delivered = [t for tokens in c.delivered for t in tokens]
+                self._start(msg, request, delivered)
+                self.metrics.handoff("taken_over")
+                logger.warning(
+                    "taken_over %s",
+                    kv(request=msg.request_id, delivered_tokens=len(delivered),
+                       deliveries=c.deliveries),
+                )  # fmt: skip
 
     def _decode(self, entry: Entry) -> RequestMessage:
         msg = RequestMessage.decode(entry.fields)
@@ -252,14 +409,19 @@ class WorkerService:
             raise ProtocolError("request: request_id, enqueue_time or deadline of the wrong type")
         return msg
 
-    def _start(self, msg: RequestMessage, request: TrackedRequest) -> None:
+    def _start(
+        self, msg: RequestMessage, request: TrackedRequest, delivered: list[int] | None = None
+    ) -> None:
         e = self.engine
         try:
             params = self._sampling_params(msg)
-            e.add_request(msg.request_id, msg.prompt_token_ids, params, request.enqueue_time)
+            e.add_request(msg.request_id, msg.prompt_token_ids, params, request.enqueue_time,
+                          delivered)  # fmt: skip
         except (ValueError, TypeError) as err:  # too long, infeasible, bad fields
             self.book.reject(msg.request_id, request, "error", str(err), INVALID_REQUEST)
             return
+        if delivered:
+            request.last_token_time = time.monotonic()
         self.book.track(msg.request_id, request)
         need = len(msg.prompt_token_ids) + (params.max_tokens - 1 if self._reserves else 0)
         blocks = e.block_manager.blocks_for(need)
@@ -293,15 +455,26 @@ class WorkerService:
     def _step(self) -> None:
         e = self.engine
         start = time.monotonic()
-        outputs = e.step()
+        try:
+            self.failpoints.before_step(e)
+            outputs = e.step()
+        except Exception:
+            self._step_failed()
+            return
+        self.state.step_failures = 0
         now = time.monotonic()
         self.metrics.observe_step(e.stats, now - start)
         self.state.last_step_empty = e.stats.batch_size == 0
         self.book.on_step(outputs, e.first_scheduled_time, start, now)
 
-    def _abort_all(self, error: str) -> None:
-        now = time.monotonic()
-        for request_id in list(self.book.tracked):
-            out = self.engine.abort(request_id)
-            if out is not None:
-                self.book.finish(out, now, error, "server_error")
+    def _step_failed(self) -> None:
+        """A step raised (a device error, a bug some request triggers): nothing of the step was
+        published, so hand everything back; each request counts a failed delivery, and one that
+        keeps failing is dead-lettered by whoever takes it next."""
+        s = self.state
+        s.step_failures += 1
+        logger.exception("step_failed %s", kv(in_flight=len(self.book.tracked),
+                                              consecutive=s.step_failures))  # fmt: skip
+        self._hand_back(graceful=False)
+        if s.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise StepFailuresExceeded(f"{s.step_failures} steps failed in a row")

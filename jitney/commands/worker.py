@@ -1,8 +1,8 @@
 """`jitney worker`: serve one model from the Redis request stream (one process per GPU/CPU).
 
-Redis comes from REDIS_URL (password and TLS in the URL). SIGTERM/SIGINT: stop reading, finish
-in-flight requests within --shutdown-timeout, abort the rest with a final reply, exit 0; a second
-signal aborts at once.
+Redis comes from REDIS_URL (password and TLS in the URL). SIGTERM/SIGINT: /ready turns 503, stop
+reading, finish in-flight requests within --shutdown-timeout, hand the rest back for another
+worker to continue, exit 0; a second signal hands back at once.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
     from jitney.model_card import card_from_tokenizer
     from jitney.protocol import Keys, redis_url
     from worker.engine import Engine
+    from worker.failpoints import Failpoints
     from worker.metrics import WorkerMetrics
     from worker.redis_io import WorkerRedis
-    from worker.service import ServiceConfig, WorkerService, kv
+    from worker.service import ServiceConfig, StepFailuresExceeded, WorkerService, kv
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     config = ServiceConfig(worker_id, args.idle_block_ms, args.shutdown_timeout)
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         loaded.name, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids)
     )
     metrics = WorkerMetrics(loaded.name, worker_id)
-    port = metrics.serve(args.metrics_port)
+    port = metrics.serve(args.metrics_port)  # /metrics, /health, /ready
     io = WorkerRedis.connect(redis_url(), Keys(args.key_prefix), worker_id, args.idle_block_ms)
     conn = io.client.connection_pool.connection_kwargs  # no URL in logs: it may hold a password
     logger.info(
@@ -91,8 +92,16 @@ def run(args: argparse.Namespace) -> int:
             key_prefix=args.key_prefix,
         ),
     )
-    service = WorkerService(engine, io, config, metrics, card)
+    failpoints = Failpoints.from_env()
+    if failpoints.armed:
+        logger.warning("failpoints_armed %s", kv(failpoints=failpoints))
+    service = WorkerService(engine, io, config, metrics, card, failpoints)
+    metrics.ready = lambda: service.ready
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.request_stop())
-    service.run()
+    try:
+        service.run()
+    except StepFailuresExceeded as e:  # the device is broken: exit so the supervisor restarts us
+        logger.error("exiting %s", kv(error=e))
+        return 1
     return 0

@@ -238,7 +238,8 @@ def test_worker_survives_a_redis_restart(server, stack, replies):
 # ----- tests that own their workers ---------------------------------------------------------------
 def test_two_workers_share_the_queue_and_a_full_worker_does_not_hoard(redis_server):
     """With one slot each: the worker busy on a long request never reads the next ones; the
-    other serves them at once. SIGTERM then aborts the long one after --shutdown-timeout."""
+    other serves them at once. SIGTERM then hands the long one back after --shutdown-timeout and
+    the other worker continues it: one stream, seqs without gap or repeat, text as offline."""
     r = redis_server.client()
     workers = [start_worker(redis_server, w, "--max-num-seqs", "1", "--shutdown-timeout", "1")
                for w in ("wa", "wb")]  # fmt: skip
@@ -261,10 +262,17 @@ def test_two_workers_share_the_queue_and_a_full_worker_does_not_hoard(redis_serv
         assert busy.metric("jitney_requests_running") == 1
 
         assert busy.proc.stop() == 0  # SIGTERM: the long request cannot finish within 1 s
+        assert "handed_back" in busy.proc.output()
         final = replies.wait("long")["long"]
-        assert final.finish_reason == "abort" and final.error == "worker shutting down"
-        assert final.completion_tokens == len(replies.tokens("long"))
-        assert pending_ids(r) == []
+        assert final.finish_reason == "length" and final.error is None
+        got = replies.tokens("long")  # checks seq 0, 1, 2, ... across both workers
+        assert final.completion_tokens == len(got) == LONG
+        assert free.metric("jitney_request_handoffs_total", event="taken_over") == 1
+        engine = Engine(EngineConfig(model=MODEL, kv_cache_memory="16MiB"))
+        params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+        (want,) = engine.generate([[5, 6, 7]], params)
+        assert_greedy_parity(load_model(MODEL), [5, 6, 7], got, want.token_ids)
+        assert pending_ids(r) == [] and r.xlen(KEYS.requests) == 0  # acked and deleted
         assert r.zscore(KEYS.workers, busy.worker_id) is None
         assert r.zscore(KEYS.workers, free.worker_id) is not None
     finally:

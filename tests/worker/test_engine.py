@@ -221,3 +221,39 @@ def test_abort_under_static_batching_still_finishes_batch_mates(loaded):
     finals = [o for o in engine.step() if o.finished]
     assert [(o.request_id, o.finish_reason) for o in finals] == [("short", "length")]
     assert not engine.has_unfinished() and not engine.requests
+
+
+def run_one(engine: Engine, prompt: list[int], params: SamplingParams, **kw) -> tuple[list, list]:
+    """Tokens and the text delta that came with each token."""
+    engine.add_request("r", prompt, params, **kw)
+    tokens, deltas = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert len(out.new_token_ids) == 1
+            tokens += out.new_token_ids
+            deltas.append(out.delta_text)
+    assert engine.block_manager.num_used_blocks == 0
+    return tokens, deltas
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        greedy(24),
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_taken_over_request_continues_after_the_delivered_tokens(loaded, params):
+    """A worker taking a request over from a dead one gets the tokens already delivered: it
+    recomputes their K/V and continues with exactly the tokens and text a no-fault run gives."""
+    prompt = random_prompt(random.Random(5), 37)
+    whole_tokens, whole_deltas = run_one(make_engine(loaded), prompt, params)
+    assert len(set(whole_tokens)) > 3  # a real continuation, not one repeated token
+    for k in (1, 9, 23):
+        engine = make_engine(loaded)
+        rest_tokens, rest_deltas = run_one(
+            engine, prompt, params, output_token_ids=whole_tokens[:k]
+        )
+        assert whole_tokens[:k] + rest_tokens == whole_tokens
+        assert "".join(whole_deltas[:k] + rest_deltas) == "".join(whole_deltas)

@@ -1,0 +1,174 @@
+"""Faults on the real system (redis-server, gateway and worker processes): every accepted
+request ends with exactly one outcome the client sees, and nothing is duplicated or lost."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+import redis
+
+from jitney.protocol import WORKER_GROUP, Keys
+from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
+from tests.services import Worker, running_system, wait_for
+from worker.model_loader import load_model
+
+pytestmark = pytest.mark.slow
+KEYS = Keys()
+
+
+def random_prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 30))] for _ in range(n)]
+
+
+def assert_nothing_left(r: redis.Redis) -> None:
+    """Every entry acknowledged and deleted, no progress list left behind."""
+    assert r.xlen(KEYS.requests) == 0
+    assert r.xpending(KEYS.requests, WORKER_GROUP)["pending"] == 0
+    assert list(r.scan_iter(match=KEYS.progress("*"))) == []
+
+
+def kv_idle(worker: Worker) -> bool:
+    return worker.metric("jitney_requests_running") == 0 and worker.metric(
+        "jitney_kv_blocks_free"
+    ) == worker.metric("jitney_kv_blocks_total")
+
+
+async def test_worker_killed_mid_generation_loses_and_repeats_nothing():
+    """12 concurrent greedy streams over two workers; one worker is SIGKILLed at a random
+    moment mid-generation. The other takes its requests over (lease expiry, fence, XCLAIM) and
+    continues after the tokens already delivered: every client's text equals a no-fault run."""
+    n, prompts = 160, random_prompts(11, 12)
+    body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    with running_system(("k1", "k2")) as system:
+        r = system.server.client()
+        async with aiohttp.ClientSession() as session:
+            streams = [
+                asyncio.create_task(stream_completion(session, system.base, {**body, "prompt": p}))
+                for p in prompts
+            ]
+
+            # Both workers generating, then a random moment later, the busier one dies.
+            def generating() -> bool:
+                return all(w.metric("jitney_generation_tokens_total") > 20 for w in system.workers)
+
+            await asyncio.to_thread(wait_for, generating, 60, "both workers generating")
+            await asyncio.sleep(random.Random(3).uniform(0.0, 0.8))
+            pending = {c["name"].decode(): c["pending"] for c in
+                       r.xinfo_consumers(KEYS.requests, WORKER_GROUP)}  # fmt: skip
+            victim, survivor = sorted(system.workers, key=lambda w: -pending.get(w.worker_id, 0))
+            assert pending.get(victim.worker_id, 0) > 0
+            victim.proc.proc.kill()
+            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        ref = load_model(MODEL)
+        for prompt, want, (text, usage) in zip(prompts, offline(prompts, n), results, strict=True):
+            assert usage["completion_tokens"] == n and usage["prompt_tokens"] == len(prompt)
+            assert_same_greedy_text(ref, prompt, text, want)
+        taken = survivor.metric("jitney_request_handoffs_total", event="taken_over")
+        assert taken == pending[victim.worker_id]
+        assert r.exists(KEYS.fenced(victim.worker_id))
+        wait_for(lambda: kv_idle(survivor), 10, "survivor idle")
+        assert_nothing_left(r)
+
+
+async def test_killed_gateway_requests_are_aborted_by_the_workers():
+    """The gateway dies with streams in flight: its heartbeat lapses, the worker aborts its
+    requests (slots and KV freed) instead of generating for nobody."""
+    body = {"model": MODEL, "prompt": "x y z", "max_tokens": 1500, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    slow = {"JITNEY_FAILPOINTS": "step_delay_ms=20"}  # 1500 tokens take 30 s
+    with running_system(("gw-orphans",), worker_env=slow) as system:
+        (worker,) = system.workers
+        async with aiohttp.ClientSession() as session:
+            responses = [await session.post(f"{system.base}/v1/completions", json=body)
+                         for _ in range(3)]  # fmt: skip
+            assert all(resp.status == 200 for resp in responses)
+            await asyncio.to_thread(
+                wait_for, lambda: worker.metric("jitney_requests_running") == 3, 30, "3 running"
+            )
+            system.gateway.proc.proc.kill()
+            for resp in responses:
+                resp.close()
+        wait_for(lambda: kv_idle(worker), 30, "the dead gateway's requests aborted")
+        assert worker.metric("jitney_request_handoffs_total", event="gateway_gone") == 3
+        assert worker.metric("jitney_requests_finished_total", reason="abort") == 3
+        assert_nothing_left(system.server.client())
+
+
+async def test_poison_request_is_dead_lettered_and_the_rest_are_served():
+    """A request that makes every step fail (failpoint on a token id) is handed back, retried
+    and dead-lettered after MAX_DELIVERIES, with an error to its client; the requests that shared
+    its batches finish with the right text; the worker keeps serving."""
+    poison_token = 251
+    prompts = random_prompts(5, 4)
+    n = 24
+    body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    env = {"JITNEY_FAILPOINTS": f"step_error_token={poison_token}"}
+    with running_system(("poisoned",), worker_env=env) as system:
+        (worker,) = system.workers
+        async with aiohttp.ClientSession() as session:
+
+            async def complete(prompt: list[int]) -> tuple[int, dict]:
+                async with session.post(
+                    f"{system.base}/v1/completions", json={**body, "prompt": prompt}
+                ) as resp:
+                    return resp.status, await resp.json()
+
+            results = await asyncio.gather(
+                complete([5, poison_token, 9]), *[complete(p) for p in prompts]
+            )
+        (status, error), *served = results
+        assert status == 500 and error["error"]["type"] == "server_error"
+        assert "dead-lettered" in error["error"]["message"]
+        ref = load_model(MODEL)
+        for prompt, want, (status, data) in zip(prompts, offline(prompts, n), served, strict=True):
+            assert status == 200, data
+            assert_same_greedy_text(ref, prompt, data["choices"][0]["text"], want)
+        r = system.server.client()
+        (dead,) = r.xrange(KEYS.dead_letters)
+        assert b"failed on 3 deliveries" in dead[1][b"reason"]
+        assert worker.proc.alive()
+        assert worker.metric("jitney_request_handoffs_total", event="dead_lettered") == 1
+        assert "step_failed" in worker.proc.output()
+        wait_for(lambda: kv_idle(worker), 10, "worker idle")
+        assert_nothing_left(r)
+
+
+@pytest.mark.parametrize("appendonly", [True, False], ids=["aof", "no-persistence"])
+async def test_redis_restart_mid_stream_ends_every_request(appendonly):
+    """Redis restarts while streams are in flight. With AOF every request finishes with the
+    no-fault text; without persistence each one finishes or ends with an explicit error. No
+    process crashes and no client hangs."""
+    n, prompts = 200, random_prompts(8, 6)
+    body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    with running_system(("rr1",), appendonly=appendonly) as system:
+        (worker,) = system.workers
+        async with aiohttp.ClientSession() as session:
+            streams = [
+                asyncio.create_task(
+                    stream_completion(session, system.base, {**body, "prompt": p}, True)
+                )
+                for p in prompts
+            ]
+            await asyncio.to_thread(
+                wait_for,
+                lambda: worker.metric("jitney_generation_tokens_total") > 50,
+                60,
+                "generation under way",
+            )
+            system.server.stop()  # SIGTERM: with AOF, Redis writes everything before exiting
+            await asyncio.sleep(1.0)
+            system.server.start()
+            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        ref = load_model(MODEL)
+        for prompt, want, (text, usage) in zip(prompts, offline(prompts, n), results, strict=True):
+            if appendonly or "error" not in usage:
+                assert usage.get("completion_tokens") == n, usage
+                assert_same_greedy_text(ref, prompt, text, want)
+            else:
+                assert usage["error"]["message"]
+        assert worker.proc.alive() and system.gateway.proc.alive()
+        wait_for(lambda: kv_idle(worker), 30, "worker idle")

@@ -1,13 +1,14 @@
 """Backpressure: refuse new work (429) while the request stream's backlog is over its bounds.
 
-Two bounds, checked before XADD:
-- entries not yet delivered to any worker: the `workers` group's `lag` (XINFO GROUPS, Redis 7+),
-  shared by all gateways. The reading is reused for `cache_s` so the check costs nothing under
-  load; entries this gateway added since the reading are counted on top, so a burst inside one
-  cache window cannot overshoot the bound.
-- prompt tokens this gateway enqueued that no worker has started (ReplyRouter counts them). This
-  bound is per gateway: with N gateways the deployment holds at most N × the bound. It needs no
-  shared counter, so a crashed gateway cannot leak queued tokens and block everyone.
+Two bounds, both shared by all gateways, checked before XADD:
+- entries not yet delivered to any worker: the `workers` group's `lag` (XINFO GROUPS, Redis 7+);
+- prompt tokens of those entries: the `{p}:queued_tokens` counter, raised by a gateway in the
+  same MULTI as its XADD and lowered by the worker that reads the entries. A worker killed between
+  its read and its decrement would leave the counter too high for good, so whenever a reading
+  finds the queue empty the counter is reset to 0 (atomically, in a script that checks the lag).
+The reading is reused for `cache_s` so the check costs nothing under load; entries and tokens
+this gateway added since the reading are counted on top, so a burst inside one cache window
+cannot overshoot the bounds.
 """
 
 from __future__ import annotations
@@ -21,14 +22,32 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.errors import ApiError
-from gateway.replies import ReplyRouter
-from jitney.protocol import WORKER_GROUP, Keys
+from jitney.protocol import WORKER_GROUP, Keys, RequestMessage
+
+# Resets the queued-token counter to 0 if the group's lag is 0 (nothing queued), so a counter a
+# crashed worker left too high heals the next time the queue drains. KEYS: stream, counter.
+_RESET_IF_EMPTY = """
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return 0 end
+for _, g in ipairs(groups) do
+  local name, lag
+  for i = 1, #g, 2 do
+    if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'lag' then lag = g[i + 1] end
+  end
+  if name == ARGV[1] and lag == 0 then
+    redis.call('SET', KEYS[2], 0)
+    return 1
+  end
+end
+return 0
+"""
 
 
 @dataclass(frozen=True, slots=True)
 class Backlog:
     lag: int  # entries added to the stream that no worker has read yet
     pending: int  # entries read by a worker and not yet acknowledged (in progress)
+    queued_tokens: int = 0  # prompt tokens of the `lag` entries
 
 
 def _field(group: dict[Any, Any], name: str) -> Any:
@@ -41,7 +60,6 @@ class BacklogMonitor:
         self,
         redis: aioredis.Redis,
         keys: Keys,
-        router: ReplyRouter,
         max_queue_len: int,
         max_queued_tokens: int,
         retry_after_s: int = 1,
@@ -49,7 +67,6 @@ class BacklogMonitor:
     ):
         self.redis = redis
         self.keys = keys
-        self.router = router
         self.max_queue_len = max_queue_len
         self.max_queued_tokens = max_queued_tokens
         self.retry_after_s = retry_after_s
@@ -58,6 +75,7 @@ class BacklogMonitor:
         self._read_at = -float("inf")
         self._fetching: asyncio.Future[Backlog] | None = None
         self._enqueued_since_reading = 0
+        self._tokens_since_reading = 0
 
     async def ensure_group(self) -> None:
         """Create the consumer group at id 0, so nothing enqueued before any worker is skipped."""
@@ -80,9 +98,19 @@ class BacklogMonitor:
             if fetching.done() and self._fetching is fetching:
                 self._fetching = None
 
-    def release(self) -> None:
+    def release(self, prompt_tokens: int) -> None:
         """Undo an admit() whose XADD failed."""
         self._enqueued_since_reading = max(self._enqueued_since_reading - 1, 0)
+        self._tokens_since_reading = max(self._tokens_since_reading - prompt_tokens, 0)
+
+    async def enqueue(self, message: RequestMessage) -> str:
+        """XADD the request and count its prompt tokens as queued, atomically. No MAXLEN:
+        trimming the request stream could delete unread requests."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.keys.requests, message.encode())
+        pipe.incrby(self.keys.queued_tokens, len(message.prompt_token_ids))
+        entry_id, _ = await pipe.execute()
+        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
     async def admit(self, prompt_tokens: int) -> None:
         """Raise 429 if one more request of `prompt_tokens` would overfill the queue; otherwise
@@ -95,7 +123,7 @@ class BacklogMonitor:
                 f"The request queue is full ({waiting} requests waiting, limit "
                 f"{self.max_queue_len}); retry later."
             )
-        queued = self.router.queued_prompt_tokens
+        queued = backlog.queued_tokens + self._tokens_since_reading
         # A lone request larger than the bound is still admitted: it fits once the queue is empty.
         if queued > 0 and queued + prompt_tokens > self.max_queued_tokens:
             raise self._full(
@@ -103,6 +131,7 @@ class BacklogMonitor:
                 f"{self.max_queued_tokens}); retry later."
             )
         self._enqueued_since_reading += 1
+        self._tokens_since_reading += prompt_tokens
 
     def _full(self, message: str) -> ApiError:
         return ApiError(
@@ -115,24 +144,36 @@ class BacklogMonitor:
 
     async def _fetch(self) -> Backlog:
         enqueued_before = self._enqueued_since_reading
+        tokens_before = self._tokens_since_reading
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xinfo_groups(self.keys.requests)
+        pipe.get(self.keys.queued_tokens)
         try:
-            groups = await self.redis.xinfo_groups(self.keys.requests)
+            groups, tokens = await pipe.execute()
         except ResponseError:  # no stream at all (e.g. Redis restarted empty): recreate it
             await self.ensure_group()
-            groups = await self.redis.xinfo_groups(self.keys.requests)
+            groups, tokens = await self.redis.xinfo_groups(self.keys.requests), 0
         group = next((g for g in groups if _field(g, "name") == WORKER_GROUP), None)
+        queued_tokens = max(int(tokens or 0), 0)
         if group is None:
             await self.ensure_group()
-            backlog = Backlog(lag=await self.redis.xlen(self.keys.requests), pending=0)
+            lag, pending = await self.redis.xlen(self.keys.requests), 0
         else:
             lag = _field(group, "lag")
             if lag is None:  # Redis cannot say after some deletions: count, up to the bound
                 lag = await self._count_undelivered(_field(group, "last-delivered-id"))
-            backlog = Backlog(lag=int(lag), pending=int(_field(group, "pending") or 0))
+            lag, pending = int(lag), int(_field(group, "pending") or 0)
+        if lag == 0 and queued_tokens > 0:
+            await self.redis.eval(
+                _RESET_IF_EMPTY, 2, self.keys.requests, self.keys.queued_tokens, WORKER_GROUP
+            )
+            queued_tokens = 0
+        backlog = Backlog(lag, pending, queued_tokens)
         self._reading = backlog
         self._read_at = time.monotonic()
         # Entries added while XINFO was in flight may or may not be in its answer; keep them.
         self._enqueued_since_reading -= min(enqueued_before, self._enqueued_since_reading)
+        self._tokens_since_reading -= min(tokens_before, self._tokens_since_reading)
         return backlog
 
     async def _count_undelivered(self, last_delivered_id: str) -> int:

@@ -74,12 +74,10 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
     try:
         try:
-            # NOTE: no MAXLEN here: trimming the request stream could delete unread requests.
-            entry_id = await gw.redis.xadd(gw.keys.requests, message.encode())
-            in_flight.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            in_flight.entry_id = await gw.backlog.enqueue(message)
         except RedisError:
             enqueued = False
-            gw.backlog.release()
+            gw.backlog.release(len(prompt_ids))
             raise redis_unavailable() from None
         return await (relay.stream(request) if parsed.stream else relay.collect())
     finally:

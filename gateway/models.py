@@ -72,7 +72,7 @@ class ServedModel:
 
 class ModelRegistry:
     """Liveness (one ZCOUNT) is re-read at most every `live_s` on the request path; the card
-    scan (SCAN over the keyspace, so never per request) runs in the background every `scan_s`,
+    scan (the `{p}:models` set, then each card's hash) runs in the background every `scan_s`,
     and on a miss at most every `miss_rescan_s`."""
 
     def __init__(
@@ -159,10 +159,8 @@ class ModelRegistry:
                 await self._rescan()
 
     async def _rescan(self) -> None:
-        prefix = self.keys.model("")
-        names = set()
-        async for key in self.redis.scan_iter(match=self.keys.model("*"), count=1000):
-            names.add(key.decode()[len(prefix) :])
+        # The names set, not SCAN: SCAN walks the whole keyspace of a shared Redis.
+        names = {name.decode() for name in await self.redis.smembers(self.keys.models)}
         for name in list(self._models):
             if name not in names:
                 del self._models[name]

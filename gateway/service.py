@@ -71,7 +71,6 @@ class Gateway:
         self.backlog = BacklogMonitor(
             self.redis,
             self.keys,
-            self.router,
             config.max_queue_len,
             config.max_queued_tokens,
             config.retry_after_s,

@@ -237,14 +237,16 @@ class WorkerRedis:
             return []
         return _entries(reply)
 
-    def cancel_flags(self, request_ids: Sequence[str]) -> list[bool]:
-        """Which of these requests were cancelled while queued (one round trip)."""
-        if not request_ids:
-            return []
+    def dequeue(self, request_ids: Sequence[str], prompt_tokens: int) -> list[bool]:
+        """New entries were read: take their prompt tokens off the queued-token counter and say
+        which of them were cancelled while queued (one round trip)."""
         pipe = self.client.pipeline(transaction=False)
+        if prompt_tokens:
+            pipe.decrby(self.keys.queued_tokens, prompt_tokens)
         for request_id in request_ids:
             pipe.exists(self.keys.cancelled(request_id))
-        return [bool(n) for n in pipe.execute()]
+        flags = pipe.execute()
+        return [bool(n) for n in flags[1 if prompt_tokens else 0 :]]
 
     def publish(self, outbox: Outbox) -> bool:
         """Apply one step's writes atomically; False (nothing written) if this worker is fenced."""

@@ -336,7 +336,10 @@ class WorkerService:
             except ProtocolError as e:  # nowhere to reply: drop it, loudly
                 logger.warning("bad_request_entry %s", kv(entry=entry.entry_id, error=e))
                 book.outbox.acks.append(entry.entry_id)
-        flags = self.io.cancel_flags([msg.request_id for _, msg in messages])
+        queued = sum(
+            len(m.prompt_token_ids) for _, m in messages if isinstance(m.prompt_token_ids, list)
+        )
+        flags = self.io.dequeue([msg.request_id for _, msg in messages], queued)
         for (entry, msg), cancelled in zip(messages, flags, strict=True):
             request = self._tracked(entry, msg)
             if msg.request_id in book.tracked:  # at-least-once delivery: already serving it

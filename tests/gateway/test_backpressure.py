@@ -61,8 +61,9 @@ async def test_burst_cannot_overshoot_the_bound(
 async def test_queued_prompt_tokens_bound(
     served: redis.Redis, make_client: MakeClient, fake_worker: FakeWorker
 ) -> None:
-    """Prompt tokens queued and not started are bounded; a started request frees its share."""
-    client = await make_client(max_queued_tokens=10)
+    """Prompt tokens queued and not read by a worker are bounded (across gateways: the count
+    lives in Redis); a request a worker has read frees its share."""
+    client = await make_client(max_queued_tokens=10, backlog_cache_s=0.0)
     first = await client.post("/v1/completions", json={**BODY, "prompt": list(range(3, 11))})
     assert first.status == 200  # 8 tokens queued: a lone request is always admitted
     second = await client.post("/v1/completions", json={**BODY, "prompt": [3, 4, 5]})
@@ -71,7 +72,7 @@ async def test_queued_prompt_tokens_bound(
     assert out["error"]["code"] == "queue_full" and "8 + 3 > limit 10" in out["error"]["message"]
     assert served.xlen(KEYS.requests) == 1
 
-    request = await fake_worker.take()  # a worker starts the first: its tokens leave the queue
+    request = await fake_worker.take()  # a worker reads the first: its tokens leave the queue
     await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
     await first.content.readuntil(b"\n\n")
     third = await client.post("/v1/completions", json={**BODY, "prompt": [3, 4, 5]})
@@ -112,3 +113,20 @@ async def test_ttft_is_observed(
     text = await (await client.get("/metrics")).text()
     count = _lines(text, 'jitney_gateway_time_to_first_token_seconds_count{model="tiny"}')
     assert count and count[0].endswith(" 1.0")
+
+
+async def test_queued_token_count_a_crashed_worker_left_heals_when_the_queue_drains(
+    served: redis.Redis, make_client: MakeClient
+) -> None:
+    """A worker killed between reading entries and lowering the shared count leaves it too
+    high; the first reading that finds nothing queued resets it, so no 429 for ever after."""
+    client = await make_client(max_queued_tokens=10, backlog_cache_s=0.0)
+    first = await client.post("/v1/completions", json={**BODY, "prompt": [3, 4, 5]})
+    assert first.status == 200
+    served.xreadgroup(WORKER_GROUP, "killed-worker", {KEYS.requests: ">"}, count=1)  # no DECRBY
+    assert int(served.get(KEYS.queued_tokens)) == 3
+    second = await client.post("/v1/completions", json={**BODY, "prompt": list(range(3, 11))})
+    assert second.status == 200  # 3 + 8 > 10 without the reset
+    assert int(served.get(KEYS.queued_tokens)) == 8
+    for r in (first, second):
+        r.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -76,6 +78,14 @@ class Replies:
         assert [m.seq for m in got] == list(range(len(got)))
         assert [m.is_final for m in got] == [False] * (len(got) - 1) + [True]
         return [t for m in got for t in m.token_ids]
+
+
+def ready_status(worker: Worker) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/ready") as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def pending_ids(r: redis.Redis, consumer: str | None = None) -> list[str]:
@@ -283,7 +293,8 @@ def test_two_workers_share_the_queue_and_a_full_worker_does_not_hoard(redis_serv
 def test_sigterm_finishes_in_flight_requests_and_stops_reading(redis_server):
     """SIGTERM: no new reads, in-flight requests finish normally, exit 0, heartbeat removed."""
     r = redis_server.client()
-    worker = start_worker(redis_server, "wterm", "--shutdown-timeout", "60")
+    slow = {"JITNEY_FAILPOINTS": "step_delay_ms=10"}  # 200 tokens take 2 s: time to look
+    worker = start_worker(redis_server, "wterm", "--shutdown-timeout", "60", env=slow)
     try:
         wait_ready(r, worker)
         replies = Replies(r)
@@ -293,8 +304,10 @@ def test_sigterm_finishes_in_flight_requests_and_stops_reading(redis_server):
         for request_id in in_flight:
             replies.wait_for_tokens(request_id, 1)
         assert not any(replies.final(i) for i in in_flight)
+        assert ready_status(worker) == 200
         worker.proc.proc.terminate()
         time.sleep(0.5)
+        assert ready_status(worker) == 503  # a rolling update's readiness turns off at once
         late_entry = send(r, "late", [5, 6, 7], 4)
         assert worker.proc.proc.wait(60) == 0
         finals = replies.wait(*in_flight, timeout=5)

@@ -1,25 +1,38 @@
-"""The aiohttp application: routes, the error/metrics middleware, start-up and shutdown.
+"""The aiohttp application: routes, middleware, start-up and shutdown.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (process up,
-always 200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503), GET /metrics.
-Every error is an OpenAI error body; an unexpected exception is logged and answered with a bare
-500 (no details), and a Redis failure with a 503: bad input or a Redis outage never crashes it.
+always 200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503), GET /metrics
+(on the main port, behind auth when keys are configured; or alone on --metrics-port).
+Middleware, outermost first: errors and metrics (every error is an OpenAI error body; an
+unexpected exception is logged and answered with a bare 500, a Redis failure with a 503), auth
+(401), body size (413 from Content-Length, before reading), rate limits (429).
+A malformed HTTP request (bad request line, header line over the limit, too many headers) never
+reaches a handler: GatewayRunner answers it with an OpenAI error body too (400 or 431).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.typedefs import Middleware
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
+from gateway.auth import CLIENT, auth_middleware
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, internal_error, redis_unavailable
 from gateway.generate import GATEWAY, chat_completions, completions
+from gateway.ratelimit import RATE_LIMITER, RateLimiter, rate_limit_middleware
 from gateway.service import Gateway
 from jitney.protocol import HEARTBEAT_TTL_S
 
@@ -35,7 +48,7 @@ def _route(request: web.Request) -> str:
 
 def _from_http_exception(e: web.HTTPException) -> ApiError:
     if e.status == 413:
-        return ApiError(413, "The request body is too large.", code="request_too_large")
+        return too_large()
     if e.status == 404:
         return ApiError(404, "No such route.", code="not_found")
     if e.status == 405:
@@ -61,14 +74,41 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
             raise
-        except Exception:
-            log.exception("unhandled error route=%s", _route(request))
+        except Exception as e:
+            # The type and the stack, not the message: it may quote a prompt.
+            stack = "".join(traceback.format_tb(e.__traceback__))
+            log.error(
+                "unhandled error route=%s error=%s\n%s", _route(request), type(e).__name__, stack
+            )
             response = internal_error().response()
         status = response.status
         return response
     finally:
         metrics.http_in_flight.dec()
-        metrics.http_requests.labels(_route(request), str(status)).inc()
+        route = _route(request)
+        metrics.http_requests.labels(route, str(status)).inc()
+        client = request.get(CLIENT)
+        key_id = client.key_id if client is not None else None
+        if key_id is not None:
+            metrics.api_key_requests.labels(key_id, str(status)).inc()
+        log.debug("request route=%s status=%d key_id=%s", route, status, key_id or "-")
+
+
+def body_limit(max_body_bytes: int) -> Middleware:
+    """413 from the Content-Length header alone: a body announced too large is never read
+    (aiohttp's client_max_size still stops chunked bodies while reading)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if (request.content_length or 0) > max_body_bytes:
+            raise too_large()
+        return await handler(request)
+
+    return check
+
+
+def too_large() -> ApiError:
+    return ApiError(413, "The request body is too large.", code="request_too_large")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -121,8 +161,19 @@ async def metrics(request: web.Request) -> web.Response:
 def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Application:
     """Serve it with `handler_cancellation=True` (run() does) so a client disconnect cancels
     the handler, which then publishes the cancel."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_and_metrics])
-    app[GATEWAY] = gateway or Gateway(config)
+    gw = gateway or Gateway(config)
+    middlewares = [
+        errors_and_metrics,
+        auth_middleware(config, gw.metrics),
+        body_limit(config.max_body_bytes),
+    ]
+    limiter = RateLimiter(gw.redis, gw.keys, gw.metrics) if config.rate_limited else None
+    if limiter is not None:
+        middlewares.append(rate_limit_middleware(limiter))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app[GATEWAY] = gw
+    if limiter is not None:
+        app[RATE_LIMITER] = limiter
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await app[GATEWAY].start()
@@ -135,17 +186,101 @@ def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Appli
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    if config.metrics_port is None:
+        app.router.add_get("/metrics", metrics)
+    return app
+
+
+def make_metrics_app(gateway: Gateway) -> web.Application:
+    """/metrics alone, without auth: for --metrics-port, a port only Prometheus can reach."""
+    app = web.Application(middlewares=[errors_and_metrics])
+    app[GATEWAY] = gateway
     app.router.add_get("/metrics", metrics)
     return app
 
 
+# --- malformed HTTP: answered before routing, so the middleware never sees it ----------------
+
+
+def _malformed(exc: BaseException, line_bytes: int, headers: int) -> ApiError:
+    if isinstance(exc, LineTooLong):
+        return ApiError(
+            431,
+            f"The request line or a header field is longer than {line_bytes} bytes.",
+            code="header_too_large",
+        )
+    if isinstance(exc, HttpProcessingError) and "Too many headers" in exc.message:
+        return ApiError(
+            431, f"The request has more than {headers} header fields.", code="too_many_headers"
+        )
+    return ApiError(400, "Malformed HTTP request.", code="bad_http_request")
+
+
+class _Protocol(RequestHandler):
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError) or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        # aiohttp's own answer is text quoting the offending line, and its log line too (an
+        # over-long Authorization header would put a key in the log): neither, here.
+        log.debug("malformed HTTP request from %s: %s", request.remote, type(exc).__name__)
+        response = _malformed(exc, self.max_line_size, self.max_headers).response()
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Protocol(self, loop=self._loop, **self._kwargs)
+
+
+class GatewayRunner(web.AppRunner):
+    """An AppRunner whose connections answer malformed HTTP with OpenAI error bodies."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # same object, our protocol factory
+        return server
+
+
+async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set): the API on config.port and, with
+    --metrics-port, /metrics on its own port."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app = make_app(config)
+    options: dict[str, Any] = {
+        "handler_cancellation": True,
+        "access_log": None,  # request lines are noise at scale; metrics count them
+        "shutdown_timeout": 10.0,
+        "max_line_size": config.max_header_line_bytes,
+        "max_field_size": config.max_header_line_bytes,
+        "max_headers": config.max_headers,
+    }
+    runners = [(GatewayRunner(app, **options), config.port)]
+    if config.metrics_port is not None:
+        metrics_app = make_metrics_app(app[GATEWAY])
+        runners.append((GatewayRunner(metrics_app, **options), config.metrics_port))
+    try:
+        for runner, port in runners:
+            await runner.setup()
+            await web.TCPSite(runner, config.host, port).start()
+        log.info(
+            "listening on %s:%d%s", config.host, config.port,
+            "" if config.metrics_port is None else f" (metrics on :{config.metrics_port})",
+        )  # fmt: skip
+        await stop.wait()
+    finally:
+        for runner, _ in reversed(runners):
+            await runner.cleanup()
+
+
 def run(config: GatewayConfig) -> None:
-    web.run_app(
-        make_app(config),
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        access_log=None,  # request lines are noise at scale; metrics count them
-        print=None,
-        shutdown_timeout=10.0,
-    )
+    asyncio.run(serve(config))

@@ -2,19 +2,103 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
+import re
 import secrets
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jitney.protocol import redis_url
 
 MiB = 1024 * 1024
+# aiohttp's parser limits, stated here so they are ours: a longer header line or request line,
+# or more header fields, gets a 431 before any handler runs.
+MAX_HEADER_LINE_BYTES = 8190
+MAX_HEADERS = 128
+KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def default_gateway_id() -> str:
     """Unique per process: a restarted gateway must not read its predecessor's reply stream."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimits:
+    """Token buckets per client (API key, or client IP without keys); 0 turns a limit off."""
+
+    rps: float = 0.0  # requests per second refilled...
+    burst: int = 0  # ...into a bucket this large (0: ceil(rps), at least 1)
+    tpm: int = 0  # prompt + max_tokens per minute, charged at admission
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.rps) and self.rps >= 0) or self.burst < 0 or self.tpm < 0:
+            raise ValueError("rate limits must be finite and >= 0")
+        if self.burst == 0 and self.rps > 0:
+            object.__setattr__(self, "burst", max(1, math.ceil(self.rps)))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rps > 0 or self.tpm > 0
+
+    def with_overrides(self, overrides: Iterable[tuple[str, float]]) -> RateLimits:
+        given = dict(overrides)
+        values = {"rps": self.rps, "burst": self.burst, "tpm": self.tpm, **given}
+        if "rps" in given and "burst" not in given:
+            values["burst"] = 0  # derived from the key's own rps
+        return RateLimits(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    key_id: str  # what logs and metrics show; never the key
+    key: str = field(repr=False)
+    # Per-key rate limits (rps, burst, tpm) over the gateway's --rate-limit-* defaults.
+    overrides: tuple[tuple[str, float], ...] = ()
+
+
+def derived_key_id(key: str) -> str:
+    """A short, non-reversible id for a key given without one: the first 8 hex of its sha256."""
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
+    """One key per entry: `KEY` or `ID:KEY`, then optional `rps=N burst=N tpm=N` overrides.
+
+    Blank entries and `#` comments are skipped. Errors name the entry's position, never its
+    text (it holds a secret)."""
+    keys = []
+    for n, entry in enumerate(entries, 1):
+        words = entry.split()
+        if not words or words[0].startswith("#"):
+            continue
+        head, *options = words
+        key_id, sep, key = head.partition(":")
+        if not sep:
+            key_id, key = derived_key_id(head), head
+        elif not KEY_ID.fullmatch(key_id):
+            raise ValueError(f"{source} entry {n}: the id before ':' must match {KEY_ID.pattern}")
+        if not key:
+            raise ValueError(f"{source} entry {n}: empty key")
+        keys.append(ApiKey(key_id, key, _overrides(options, f"{source} entry {n}")))
+    return keys
+
+
+def _overrides(options: list[str], where: str) -> tuple[tuple[str, float], ...]:
+    values: dict[str, float] = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        if name not in ("rps", "burst", "tpm") or name in values:
+            raise ValueError(f"{where}: options are rps=N, burst=N, tpm=N (each at most once)")
+        try:
+            values[name] = float(value) if name == "rps" else int(value)
+        except ValueError:
+            raise ValueError(f"{where}: {name} must be a number") from None
+    RateLimits(**values)  # type: ignore[arg-type]  # checks the values now, not per request
+    return tuple(values.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +132,26 @@ class GatewayConfig:
     retry_after_s: int = 1
     # SSE comment sent when a stream has been silent this long, so proxies keep it open.
     sse_keepalive_s: float = 15.0
+    # Bearer keys; empty: no auth. /health and /ready are always public.
+    api_keys: tuple[ApiKey, ...] = ()
+    # Serve /metrics on this port only, without auth (None: on the main port, behind auth).
+    metrics_port: int | None = None
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    max_header_line_bytes: int = MAX_HEADER_LINE_BYTES
+    max_headers: int = MAX_HEADERS
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.metrics_port is not None and (
+            not 0 < self.metrics_port < 65536 or self.metrics_port == self.port
+        ):
+            raise ValueError(f"metrics port must be in 1..65535 and not {self.port}")
+        ids = [k.key_id for k in self.api_keys]
+        if len(set(ids)) != len(ids):
+            raise ValueError("API key ids must be unique")
+        if len({k.key for k in self.api_keys}) != len(self.api_keys):
+            raise ValueError("the same API key is configured twice")
         if not self.gateway_id or any(c.isspace() for c in self.gateway_id):
             raise ValueError(f"gateway id must be non-empty without spaces: {self.gateway_id!r}")
         if not self.key_prefix:
@@ -68,3 +168,10 @@ class GatewayConfig:
                 f"reply block ({self.reply_block_ms} ms) must be shorter than the Redis socket "
                 f"timeout ({self.redis_timeout_s} s), or every idle XREAD times out"
             )
+
+    def limits_for(self, key: ApiKey | None) -> RateLimits:
+        return self.rate_limits.with_overrides(key.overrides) if key else self.rate_limits
+
+    @property
+    def rate_limited(self) -> bool:
+        return any(self.limits_for(k).enabled for k in (None, *self.api_keys))

@@ -59,12 +59,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def model_not_found(name: str) -> ApiError:
-    # The model name is the one piece of input we repeat, truncated: clients need to see which
-    # name was not found, and it cannot be large.
-    shown = name if len(name) <= 64 else name[:64] + "…"
+    # The name is not repeated: an error never echoes input (GET /v1/models lists the names).
     return ApiError(
         404,
-        f"The model {shown!r} does not exist or no live worker serves it.",
+        "The requested model does not exist or no live worker serves it; see GET /v1/models.",
         param="model",
         code="model_not_found",
     )

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import ApiError, bad_request, redis_unavailable
 from gateway.models import ServedModel
+from gateway.ratelimit import charge_tokens
 from gateway.replies import InFlight
 from gateway.responses import DONE, KEEPALIVE, Kind, Responder, sse, usage
 from gateway.schema import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
@@ -54,6 +55,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     model = await gw.registry.resolve(parsed.model)
     prompt_ids = await _prompt_ids(gw, model, parsed)
     sampling = _sampling_fields(gw, model, parsed, len(prompt_ids))
+    await charge_tokens(request, len(prompt_ids) + sampling.max_tokens)  # per-key tokens/min
     await gw.backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
 
     responder = Responder(kind, model.name, parsed.include_usage)

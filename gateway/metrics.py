@@ -52,6 +52,20 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        # Labelled by configured key ids only (unknown keys are 401s, never a label value), so
+        # the cardinality is bounded by the keys file.
+        self.api_key_requests = Counter(
+            "jitney_api_key_requests",
+            "HTTP requests answered, by API key id and status",
+            ["key_id", "status"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "jitney_auth_failures",
+            "Requests refused with 401, by reason (missing, invalid)",
+            ["reason"],
+            registry=r,
+        )
         self.duplicate_replies = Counter(
             "jitney_gateway_duplicate_replies",
             "Reply messages dropped as duplicates (seq already delivered)",

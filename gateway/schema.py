@@ -18,6 +18,10 @@ from gateway.errors import bad_request
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # the detokenizer holds back this much text while a stop may be forming
+MAX_STOP_TOKEN_IDS = 256
+MAX_MODEL_NAME_CHARS = 256
+MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; anything above is garbage
 _INT64 = 2**63
 
 
@@ -56,8 +60,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise ValueError("NaN and Infinity are not valid JSON")
 
     try:
-        body = json.loads(raw, parse_constant=no_constants)
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
+        # Strict UTF-8 (RFC 8259), not json's guess among UTF-8/16/32.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("The request body is not valid UTF-8.", code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=no_constants)
+    except (ValueError, RecursionError):  # JSONDecodeError, and ints over 4300 digits
         raise bad_request("The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -137,6 +146,23 @@ def _model(body: dict[str, Any]) -> str | None:
         return None
     if not isinstance(value, str) or not value:
         raise bad_request("'model' must be a non-empty string.", param="model")
+    if len(value) > MAX_MODEL_NAME_CHARS:
+        raise bad_request(
+            f"'model' must be at most {MAX_MODEL_NAME_CHARS} characters.", param="model"
+        )
+    return _unicode(value, "model")
+
+
+def _unicode(value: str, param: str) -> str:
+    """JSON's \\uD800-style escapes can smuggle lone surrogates into a str; they cannot be
+    encoded (tokenizer, Redis, JSON out), so refuse them here rather than fail later with 500."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(
+                f"'{param}' contains an unpaired UTF-16 surrogate (invalid Unicode).", param=param
+            ) from None
     return value
 
 
@@ -172,7 +198,9 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
         top_k=max(top_k or 0, 0),  # OpenAI-style clients send -1 for "off"; the wire uses 0
         seed=_opt_int(body, "seed"),
         stop=_stop(body.get("stop")),
-        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", allow_empty=True),
+        stop_token_ids=_token_ids(
+            body.get("stop_token_ids"), "stop_token_ids", True, MAX_STOP_TOKEN_IDS
+        ),
         ignore_eos=_opt_bool(body, "ignore_eos"),
     )
 
@@ -192,16 +220,26 @@ def _stop(value: Any) -> list[str]:
         raise bad_request("'stop' must be a non-empty string or a list of them.", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.", param="stop")
-    return stops
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(
+            f"Each 'stop' string must be at most {MAX_STOP_CHARS} characters.", param="stop"
+        )
+    return [_unicode(s, "stop") for s in stops]
 
 
-def _token_ids(value: Any, param: str, allow_empty: bool = False) -> list[int]:
+def _token_ids(
+    value: Any, param: str, allow_empty: bool = False, max_len: int | None = None
+) -> list[int]:
     if value is None and allow_empty:
         return []
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise bad_request(f"'{param}' must be a list of non-negative integers.", param=param)
+    if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in value):
+        raise bad_request(
+            f"'{param}' must be a list of integers between 0 and {MAX_TOKEN_ID}.", param=param
+        )
     if not value and not allow_empty:
         raise bad_request(f"'{param}' must not be empty.", param=param)
+    if max_len is not None and len(value) > max_len:
+        raise bad_request(f"'{param}' may hold at most {max_len} ids.", param=param)
     return value
 
 
@@ -218,7 +256,7 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise bad_request("'prompt' must not be empty.", param="prompt")
-        return value
+        return _unicode(value, "prompt")
     if isinstance(value, list):
         return _token_ids(value, "prompt")
     raise bad_request("'prompt' must be a string or a list of token ids.", param="prompt")
@@ -250,12 +288,12 @@ def _message(value: Any, param: str) -> dict[str, str]:
             f"'{param}.content' must be a string or a list of text parts.",
             param=f"{param}.content",
         )
-    message = {"role": role, "content": content}
+    message = {"role": role, "content": _unicode(content, f"{param}.content")}
     name = value.get("name")
     if name is not None:
         if not isinstance(name, str):
             raise bad_request(f"'{param}.name' must be a string.", param=f"{param}.name")
-        message["name"] = name
+        message["name"] = _unicode(name, f"{param}.name")
     return message
 
 

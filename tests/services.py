@@ -208,12 +208,13 @@ def running_system(
     worker_flags: tuple[str, ...] = (),
     worker_env: dict[str, str] | None = None,
     appendonly: bool = False,
+    gateway_flags: tuple[str, ...] = (),
 ) -> Iterator[System]:
     """A private redis-server, tiny-random `jitney worker`s and a `jitney gateway`, all ready;
     stops everything afterwards (whatever the test killed already)."""
     server = RedisServer(appendonly=appendonly).start()
     workers = [start_worker(server, w, *worker_flags, env=worker_env) for w in worker_ids]
-    gateway = start_gateway(server)
+    gateway = start_gateway(server, *gateway_flags)
     try:
         wait_ready(server.client(), *workers)
         gateway.wait_ready()

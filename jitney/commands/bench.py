@@ -1,11 +1,13 @@
 """`jitney bench offline`: the engine against transformers' baselines on a trace.
-`jitney bench serve`: load against a live service over the OpenAI streaming API."""
+`jitney bench serve`: load against a live service over the OpenAI streaming API.
+`jitney bench report`: the key series from Prometheus over a time range, as PNG + JSON."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from bench.prom_report import add_report_arguments, run_report
 from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
 
 DEFAULT_TRACE = "../shared/traces/mixed-64.json"
@@ -32,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     off.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add_engine_arguments(off)
     _add_serve_arguments(sub)
+    add_report_arguments(sub)
 
 
 def _add_serve_arguments(sub: argparse._SubParsersAction) -> None:
@@ -144,6 +147,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench == "report":
+        return run_report(args)  # stdlib HTTP + matplotlib: no torch
     if args.bench == "serve":
         return run_serve(args)  # no torch: the load generator is a plain HTTP client
     import torch

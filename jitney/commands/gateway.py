@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
+from urllib.parse import urlsplit
 
-from gateway.config import GatewayConfig, MiB, default_gateway_id
+from gateway.config import (
+    ApiKey,
+    GatewayConfig,
+    MiB,
+    RateLimits,
+    default_gateway_id,
+    parse_api_keys,
+)
+from jitney.protocol import redis_url
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,26 +54,98 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=512,
         help="max_tokens of a chat request that gives none (capped to what fits the context)",
     )
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="KEYS",
+        help="comma-separated bearer keys, each KEY or ID:KEY (prefer JITNEY_API_KEYS or a file: "
+        "a flag shows in `ps`); none: no auth",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help="bearer keys, one per line: KEY or ID:KEY, then optional rps=N burst=N tpm=N",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics only on this port, without auth (default: on --port, behind auth)",
+    )
+    p.add_argument(
+        "--rate-limit-rps",
+        type=float,
+        default=0.0,
+        help="requests per second per API key (per client IP without keys); 0: off",
+    )
+    p.add_argument(
+        "--rate-limit-burst",
+        type=int,
+        default=0,
+        help="requests a client may send at once (default: the rps, rounded up)",
+    )
+    p.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        default=0,
+        help="prompt + max_tokens per minute per API key (per client IP without keys); 0: off",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def load_api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
+    keys = []
+    if args.api_keys:
+        keys += parse_api_keys(args.api_keys.split(","), "--api-keys")
+    if args.api_keys_file:
+        lines = Path(args.api_keys_file).read_text().splitlines()
+        keys += parse_api_keys(lines, "--api-keys-file")
+    return tuple(keys)
 
 
 def run(args: argparse.Namespace) -> int:
     from gateway.app import run as run_gateway  # aiohttp and the tokenizer stack load only here
+    from gateway.auth import RedactSecrets
 
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    config = GatewayConfig(
-        host=args.host,
-        port=args.port,
-        gateway_id=args.gateway_id or default_gateway_id(),
-        key_prefix=args.key_prefix,
-        max_body_bytes=args.max_body_bytes,
-        max_queue_len=args.max_queue_len,
-        max_queued_tokens=args.max_queued_tokens,
-        request_timeout=args.request_timeout,
-        chat_default_max_tokens=args.chat_default_max_tokens,
-    )
+    log = logging.getLogger("gateway")
+    try:
+        api_keys = load_api_keys(args)
+        config = GatewayConfig(
+            host=args.host,
+            port=args.port,
+            gateway_id=args.gateway_id or default_gateway_id(),
+            key_prefix=args.key_prefix,
+            max_body_bytes=args.max_body_bytes,
+            max_queue_len=args.max_queue_len,
+            max_queued_tokens=args.max_queued_tokens,
+            request_timeout=args.request_timeout,
+            chat_default_max_tokens=args.chat_default_max_tokens,
+            api_keys=api_keys,
+            metrics_port=args.metrics_port,
+            rate_limits=RateLimits(args.rate_limit_rps, args.rate_limit_burst, args.rate_limit_tpm),
+        )
+    except (OSError, ValueError) as e:  # key errors name the entry, never the key
+        log.error("invalid gateway configuration: %s", e)
+        return 2
+    redact = RedactSecrets([k.key for k in api_keys] + [urlsplit(redis_url()).password or ""])
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(redact)
+    if api_keys:
+        log.info(
+            "auth on: %d API keys, ids %s", len(api_keys), ",".join(k.key_id for k in api_keys)
+        )
+    else:
+        log.info("auth off: no API keys configured (--api-keys / --api-keys-file)")
+    if config.rate_limits.enabled:
+        limits = config.rate_limits
+        log.info(
+            "rate limits per %s: rps=%g burst=%d tpm=%d",
+            "API key" if api_keys else "client IP", limits.rps, limits.burst, limits.tpm,
+        )  # fmt: skip
     run_gateway(config)
     return 0

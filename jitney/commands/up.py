@@ -147,7 +147,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"using Redis at {redacted(redis_url())}")
         else:
             print(f"started a private redis-server at {url}")
-        env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+        # `up` turns its own options into the children's flags; its JITNEY_* variables must not
+        # reach them too (JITNEY_METRICS_PORT would make the gateway bind worker 0's port).
+        own = {f"JITNEY_{name.upper()}" for name in vars(args)}
+        env = {k: v for k, v in os.environ.items() if k not in own}
+        env |= {"REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
         procs = [
             stack.enter_context(
                 child(

@@ -66,6 +66,32 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (CHAT, {"messages": USER, "logprobs": True}, "logprobs"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "name": SECRET}]}, "tools"),
     (CHAT, {"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
+    # Added with the reliability audit:
+    (COMPLETIONS, ('{"prompt": "' + SECRET + '"}').encode("utf-16"), None),  # UTF-16, not UTF-8
+    (COMPLETIONS, b'{"prompt": "' + SECRET.encode() + b'\xed\xa0\x80"}', None),  # CESU surrogate
+    (COMPLETIONS, b'{"prompt": "' + SECRET.encode() + b'\\ud800"}', "prompt"),  # escaped one
+    (COMPLETIONS, b'{"prompt": "x", "model": "\\udc00' + SECRET.encode() + b'"}', "model"),
+    (COMPLETIONS, b'{"prompt": "x", "stop": ["\\ud800' + SECRET.encode() + b'"]}', "stop"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d' + SECRET.encode() + b'"}]}',
+     "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "name": "\\udfff"}]}',
+     "messages[0].name"),
+    (COMPLETIONS, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),  # > 4300 digits
+    (COMPLETIONS, b'{"prompt": "x", "temperature": 1e999}', "temperature"),  # parses as inf
+    (COMPLETIONS, {"prompt": SECRET, "temperature": -0.5}, "temperature"),
+    (COMPLETIONS, {"prompt": SECRET, "top_p": -0.1}, "top_p"),
+    (COMPLETIONS, {"prompt": SECRET, "max_tokens": 10**30}, "max_tokens"),
+    (COMPLETIONS, {"prompt": SECRET, "max_tokens": 10**6}, "prompt"),  # over the context window
+    (COMPLETIONS, {"prompt": SECRET, "stop": [SECRET] * 17}, "stop"),
+    (COMPLETIONS, {"prompt": SECRET, "stop": SECRET * 30}, "stop"),  # over 256 characters
+    (COMPLETIONS, {"prompt": SECRET, "stop_token_ids": list(range(257))}, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": SECRET, "stop_token_ids": [2**40]}, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": [1, 2**40]}, "prompt"),
+    (COMPLETIONS, {"prompt": SECRET, "model": SECRET * 30}, "model"),  # over 256 characters
+    (COMPLETIONS, {"prompt": [[]]}, "prompt"),
+    (COMPLETIONS, b"", None),
 ]  # fmt: skip
 
 
@@ -108,8 +134,8 @@ async def test_prompt_too_long_gives_the_numbers(client: Client, served: redis.R
 
 async def test_unknown_model_is_404(client: Client, served: redis.Redis) -> None:
     """A model no live worker serves: 404 model_not_found."""
-    status, out, _ = await post(client, COMPLETIONS, {"model": "nope", "prompt": SECRET})
-    assert status == 404 and out["error"]["code"] == "model_not_found"
+    status, out, text = await post(client, COMPLETIONS, {"model": SECRET, "prompt": "hi"})
+    assert status == 404 and out["error"]["code"] == "model_not_found" and SECRET not in text
     assert_openai_error(out, "model")
     assert served.xlen(KEYS.requests) == 0
 

@@ -1,0 +1,230 @@
+"""Property-based fuzzing of a LIVE `jitney gateway` (real Redis, a thread playing the worker).
+
+At least 2,000 generated bodies: valid-shaped with bad (or good) values, random JSON, random
+bytes, deep nesting, huge numbers and bodies, unicode with lone surrogates. Over all of them:
+no 5xx, the process stays up, every 4xx is an OpenAI error body that quotes nothing of the
+input, and the request stream holds exactly one entry per accepted (200) request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.client import HTTPConnection
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jitney.protocol import ModelCard
+from tests.gateway.helpers import (
+    KEYS,
+    AnsweringWorker,
+    LiveGateway,
+    assert_openai_error,
+    http,
+    publish_card,
+    start_gateway,
+)
+from tests.services import RedisServer, wait_for
+
+SECRET = "SECRET-d4e5"  # planted in every string a body carries; no error may repeat it
+MAX_BODY = 65_536
+EXAMPLES = 2_000
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class Live:
+    server: RedisServer
+    gateway: LiveGateway
+    worker: AnsweringWorker
+
+
+@pytest.fixture(scope="module")
+def live(card: ModelCard) -> Iterator[Live]:
+    server = RedisServer().start()
+    r = server.client()
+    publish_card(r, card)
+    worker = AnsweringWorker(r).__enter__()
+    gateway = start_gateway(server, "--max-body-bytes", str(MAX_BODY))
+    try:
+        wait_for(lambda: http(f"{gateway.base}/ready")[0] == 200, 60, "gateway ready")
+        yield Live(server, gateway, worker)
+    finally:
+        gateway.proc.stop()
+        worker.__exit__()
+        server.close()
+
+
+# --- strategies ---------------------------------------------------------------------------------
+
+marked = st.text(max_size=30).map(lambda s: SECRET + s)
+surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1)
+unicode = st.one_of(
+    marked,
+    st.text(st.characters(exclude_categories=[]), max_size=30).map(lambda s: SECRET + s),
+    st.tuples(marked, surrogates).map("".join),
+)
+huge_int = st.integers(min_value=-(10**40), max_value=10**40)
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 100), huge_int, st.floats(), marked, unicode
+)
+random_json = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(marked, inner, max_size=4),
+    max_leaves=12,
+)
+token_ids = st.lists(st.integers(-3, 300) | huge_int, max_size=12)
+prompt = st.one_of(
+    marked, unicode, st.just(""), token_ids, st.lists(marked, max_size=3),
+    st.text(min_size=100, max_size=400).map(lambda s: SECRET + s),  # over the context window
+    random_json,
+)  # fmt: skip
+number = st.one_of(st.none(), st.floats(-2, 3), st.integers(-3, 5), st.floats(), huge_int, marked)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", SECRET])},
+    optional={
+        "content": st.one_of(
+            unicode, st.none(), st.integers(),
+            st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", SECRET]),
+                                            "text": unicode}), max_size=3),
+        ),
+        "name": unicode | st.integers(),
+    },
+)  # fmt: skip
+sampling: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.one_of(st.just("tiny"), marked, unicode, st.integers(), st.just("")),
+    "max_tokens": st.one_of(st.integers(-2, 80), huge_int, st.floats(), marked, st.booleans()),
+    "max_completion_tokens": st.integers(-2, 80) | huge_int,
+    "temperature": number,
+    "top_p": number,
+    "top_k": st.integers(-3, 100) | huge_int | marked,
+    "seed": huge_int | st.floats() | marked,
+    "n": st.integers(-1, 3),
+    "stop": st.one_of(
+        marked,
+        unicode,
+        st.lists(unicode, max_size=20),
+        st.text(min_size=250, max_size=300),
+        st.lists(st.just(""), max_size=2),
+        st.integers(),
+    ),
+    "stop_token_ids": st.lists(st.integers(-1, 500) | huge_int, max_size=300) | marked,
+    "ignore_eos": st.booleans() | marked,
+    "stream": st.booleans() | marked | st.none(),
+    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans() | marked}),
+    "logprobs": st.booleans() | st.integers(0, 3),
+    "echo": st.booleans(),
+    "tools": st.just([]) | random_json,
+    "response_format": st.just({"type": "text"}) | random_json,
+    "presence_penalty": number,
+    SECRET: random_json,
+}
+completion = st.fixed_dictionaries({"prompt": prompt}, optional=sampling)
+chat = st.fixed_dictionaries({"messages": st.lists(message, max_size=4) | random_json},
+                             optional=sampling)  # fmt: skip
+
+# Mostly good values, so the later checks (model lookup, context window, enqueueing) run too.
+good = {
+    "model": st.sampled_from(["tiny", SECRET]),
+    "max_tokens": st.integers(1, 70),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "stop": st.lists(marked, max_size=3),
+    "stream": st.booleans(),
+    "seed": st.integers(0, 2**32),
+}
+good_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system"]), "content": unicode}
+)
+plausible = st.fixed_dictionaries({"prompt": unicode | token_ids}, optional=good) | (
+    st.fixed_dictionaries({"messages": st.lists(good_message, min_size=1, max_size=3)},
+                          optional=good)
+)  # fmt: skip
+
+
+def encode(obj: Any, ascii_only: bool) -> bytes:
+    # surrogatepass: a lone surrogate becomes invalid UTF-8 bytes when not escaped as \\uD800
+    return json.dumps(obj, ensure_ascii=ascii_only, allow_nan=True).encode("utf-8", "surrogatepass")
+
+
+shaped = st.builds(
+    encode, st.one_of(completion, chat, plausible, plausible, random_json), st.booleans()
+)
+bodies = st.one_of(
+    shaped,
+    shaped,
+    shaped,
+    st.binary(max_size=300),
+    st.builds(lambda d: b"[" * d, st.integers(1, 200_000)),  # nesting past the recursion limit
+    st.builds(
+        lambda d: b'{"prompt": "x", "tools": ' + b"[" * d + b"]" * d + b"}", st.integers(500, 5_000)
+    ),
+    st.builds(
+        lambda n: b'{"prompt": "x", "max_tokens": ' + b"9" * n + b"}", st.integers(4_000, 6_000)
+    ),  # more digits than Python parses
+    st.builds(
+        lambda n: json.dumps({"prompt": SECRET + "a" * n}).encode(),
+        st.integers(MAX_BODY, 4 * MAX_BODY),
+    ),  # over --max-body-bytes
+    st.builds(lambda s: s.encode("utf-16"), st.just('{"prompt": "' + SECRET + '"}')),
+)
+
+
+# --- the property -------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    accepted: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+
+
+class Client:
+    """One keep-alive connection (http.client reconnects when the server says it will close)."""
+
+    def __init__(self, port: int):
+        self.conn = HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def post(self, route: str, body: bytes) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"}
+        self.conn.request("POST", route, body=body, headers=headers)
+        response = self.conn.getresponse()
+        return response.status, response.read()
+
+
+def test_fuzzed_bodies_never_crash_and_never_enqueue_rejects(live: Live) -> None:
+    tally = Tally()
+    client = Client(live.gateway.port)
+
+    @settings(
+        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+        suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    @given(route=st.sampled_from(ROUTES), body=bodies)
+    def send(route: str, body: bytes) -> None:
+        status, raw = client.post(route, body)
+        tally.sent += 1
+        tally.statuses[status] = tally.statuses.get(status, 0) + 1
+        assert status < 500, (status, raw[:300], body[:300])
+        if status == 200:
+            tally.accepted += 1
+            return
+        text = raw.decode()
+        assert SECRET not in text, (status, text[:300])
+        assert_openai_error(json.loads(text))
+
+    try:
+        send()
+    finally:
+        client.conn.close()
+    assert tally.sent >= EXAMPLES, tally
+    assert live.gateway.proc.alive(), live.gateway.proc.output()[-3000:]
+    assert http(f"{live.gateway.base}/health")[0] == 200
+    assert live.server.client().xlen(KEYS.requests) == tally.accepted, tally
+    assert tally.accepted > 0 and tally.statuses.get(400, 0) > EXAMPLES // 2, tally
+    print(f"fuzz: {tally}")

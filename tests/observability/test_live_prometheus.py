@@ -1,0 +1,232 @@
+"""Every dashboard query, the alert rules and `jitney bench report` against a real Prometheus
+(Debian's) scraping a live stack every second: a private redis-server, a `jitney gateway` and two
+tiny-random workers, under a short burst of streaming requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.prom_report import KEY_SERIES, Prometheus
+from bench.serve import run_serve
+from bench.trace import TraceRequest
+from jitney.cli import main
+from tests.observability.helpers import (
+    PrometheusServer,
+    label_values,
+    load_dashboard,
+    metric_names,
+    panel_exprs,
+    promtool,
+    rule_groups,
+    substitute,
+    variable_queries,
+    write_rules_file,
+)
+from tests.services import JitneyProcess, RedisServer, free_port, start_worker, wait_for, wait_ready
+
+pytestmark = pytest.mark.slow
+
+WORKERS = ("obs-w1", "obs-w2")
+MAX_NUM_SEQS = 4  # small, so the load fills every batch and queues up in the stream
+CLIENTS = 3 * MAX_NUM_SEQS
+RATE_WINDOW = "4s"  # Grafana's $__rate_interval at a 1 s scrape interval: 4 × 1 s
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass
+class Live:
+    prometheus: PrometheusServer
+    api: Prometheus
+    start: float  # unix seconds: just before the first request
+    end: float  # after the last request ended and Prometheus scraped the final counters
+    served: dict[str, Any]  # `bench serve`'s report of the burst
+    rules_error: str | None  # why the alert rules were not loaded into Prometheus
+
+
+def burst(n: int = 60, seed: int = 7) -> list[TraceRequest]:
+    """Prompts inside the tiny model's vocabulary, outputs long enough to keep batches busy."""
+    rng = random.Random(seed)
+    return [
+        TraceRequest(
+            request_id=str(i),
+            prompt_ids=[rng.randrange(3, 281) for _ in range(rng.randrange(8, 48))],
+            output_len=rng.randrange(80, 200),
+        )
+        for i in range(n)
+    ]
+
+
+def load_rules(tmp: Path) -> tuple[list[Path], str | None]:
+    """The PrometheusRule's groups as a rule file for Prometheus, when it passes promtool."""
+    try:
+        path = write_rules_file(tmp / "rules.yml")
+    except Exception as e:  # missing or malformed: the rules test reports it
+        return [], f"{type(e).__name__}: {e}"
+    check = promtool("check", "rules", str(path))
+    return ([path], None) if check.returncode == 0 else ([], check.stdout + check.stderr)
+
+
+def scalar(api: Prometheus, expr: str) -> float:
+    result = api.query(expr)
+    return float(result[0]["value"][1]) if result else math.nan
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    server = RedisServer().start()
+    workers = [
+        start_worker(server, w, "--max-num-seqs", str(MAX_NUM_SEQS), "--idle-block-ms", "200")
+        for w in WORKERS
+    ]
+    port = free_port()
+    gateway = JitneyProcess(
+        ["gateway", "--host", "127.0.0.1", "--port", str(port)], {"REDIS_URL": server.url},
+        name="obs-gateway",
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    # The rules are loaded when they pass promtool; if not, only the rules test fails (below).
+    rules, rules_error = load_rules(tmp_path_factory.mktemp("rules"))
+    prometheus = PrometheusServer(
+        {
+            "jitney-gateway": [f"127.0.0.1:{port}"],
+            "jitney-worker": [f"127.0.0.1:{w.metrics_port}" for w in workers],
+        },
+        rule_files=rules,
+    )
+    try:
+        prometheus.start()
+        wait_ready(server.client(), *workers, timeout=120)
+
+        def ready() -> bool:
+            assert gateway.alive(), gateway.output()
+            with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
+                return resp.status == 200
+
+        wait_for(ready, 60, "gateway /ready")
+        api = prometheus.api()
+        wait_for(lambda: scalar(api, "sum(up)") == 3, 30, "prometheus scraping all 3 targets")
+        start = time.time()
+        # Closed loop with more clients than the two workers have slots: every batch stays
+        # full and the rest waits in the stream, whatever the speed of this machine.
+        served = asyncio.run(run_serve(base, burst(), concurrency=CLIENTS, label="observe"))
+        assert served["failed"] == 0, served["failures"]
+        # The final counters must be in Prometheus before anything is queried: the tokens the
+        # workers report equal what the clients received.
+        wait_for(
+            lambda: scalar(api, "sum(jitney_generation_tokens_total)") == served["output_tokens"],
+            30,
+            "prometheus to scrape the final token counts",
+        )
+        yield Live(prometheus, api, start - 2, time.time() + 1, served, rules_error)
+    finally:
+        prometheus.close()
+        gateway.stop()
+        for w in workers:
+            w.proc.stop()
+        server.close()
+
+
+def has_data(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(v)) for series in result for _, v in series["values"])
+
+
+def test_every_panel_query_returns_data(live):
+    """Each target, with the variables on "All" and on one model and worker, returns at least
+    one finite value over the burst (a NaN-only quantile or an empty result fails)."""
+    selections = {
+        "all": {"model": ".*", "worker": ".*"},
+        "one": {"model": "tiny-random", "worker": WORKERS[1]},
+    }
+    empty = []
+    exprs = panel_exprs(load_dashboard())
+    for (where, expr), (name, values) in zip(
+        exprs * 2, [s for s in selections.items() for _ in exprs], strict=True
+    ):
+        query = substitute(expr, values | {"__rate_interval": RATE_WINDOW})
+        if not has_data(live.api.query_range(query, live.start, live.end, 1)):
+            empty.append(f"{where} [{name}]: {query}")
+    assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+def test_variables_list_the_live_models_and_workers(live):
+    seen = {}
+    for name, query in variable_queries(load_dashboard()).items():
+        selector, label = label_values(query)
+        series = live.api.get(
+            "/api/v1/series",
+            **{"match[]": substitute(selector, {"model": ".*"})},
+            start=str(live.start),
+            end=str(live.end),
+        )
+        seen[name] = {s[label] for s in series}
+    assert seen == {"model": {"tiny-random"}, "worker": set(WORKERS)}
+
+
+def test_live_metric_names_match_the_registries(live):
+    """What Prometheus scraped is what the dashboard queries (no series renamed on the way)."""
+    live_names = set(live.api.get("/api/v1/label/__name__/values"))
+    wanted = set().union(*(metric_names(e) for _, e in panel_exprs(load_dashboard())))
+    assert wanted <= live_names, f"not scraped: {sorted(wanted - live_names)}"
+
+
+def test_alert_rules_load_and_evaluate_on_live_metrics(live):
+    groups = rule_groups()  # fails clearly when the PrometheusRule is missing
+    assert live.rules_error is None, f"the rules were not loaded: {live.rules_error}"
+    live_names = set(live.api.get("/api/v1/label/__name__/values"))
+    alerts = [r for g in groups for r in g["rules"] if "alert" in r]
+    recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+    for rule in alerts:
+        missing = metric_names(str(rule["expr"])) - live_names - recorded
+        assert not missing, f"alert {rule['alert']}: no such series on Prometheus: {missing}"
+        live.api.query(str(rule["expr"]))  # raises PrometheusError when it does not evaluate
+
+    def evaluated() -> list[dict[str, Any]]:
+        loaded = [r for g in live.api.get("/api/v1/rules")["groups"] for r in g["rules"]]
+        assert all(r["lastEvaluation"] > "2000" for r in loaded)  # "0001-01-01...": not yet
+        return loaded
+
+    wait_for(lambda: bool(evaluated()), 30, "every rule evaluated once")
+    loaded = evaluated()
+    assert sorted(r["name"] for r in loaded if r["type"] == "alerting") == sorted(
+        r["alert"] for r in alerts
+    )
+    broken = {r["name"]: r.get("lastError") for r in loaded if r["health"] != "ok"}
+    assert not broken, f"rules failing on the live Prometheus: {broken}"
+
+
+def test_bench_report_draws_the_key_series(live, tmp_path: Path, capsys):
+    out, png = tmp_path / "report.json", tmp_path / "report.png"
+    argv = ["bench", "report", "--prometheus", live.prometheus.url, "--start", str(live.start),
+            "--end", str(live.end), "--max-num-seqs", str(MAX_NUM_SEQS), "--output", str(out),
+            "--plot", str(png)]  # fmt: skip
+    assert main(argv) == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 20_000
+    report = json.loads(out.read_text())
+    assert report["scrape_interval_s"] == 1 and report["rate_window"] == "4000ms"
+    summary = report["summary"]
+    assert set(summary) == {k.key for k in KEY_SERIES}
+    for key, lines in summary.items():
+        assert lines, f"{key}: no data"
+        for name, s in lines.items():
+            assert s["points"] > 0 and math.isfinite(s["mean"]), (key, name)
+    # The load overfills two workers of MAX_NUM_SEQS slots: full batches, never more.
+    for w in WORKERS:
+        assert MAX_NUM_SEQS - 1 < summary["batch_size"][f"mean {w}"]["max"] <= MAX_NUM_SEQS
+        assert 0 < summary["kv_cache_usage"][w]["max"] <= 1
+    assert summary["running_waiting"]["running"]["max"] == len(WORKERS) * MAX_NUM_SEQS
+    assert summary["running_waiting"]["queue lag (in the stream)"]["max"] > 0
+    assert all(s["max"] > 0 for s in summary["output_tokens"].values())
+    delays = summary["queue_delay"]
+    assert 0 <= delays["p50"]["max"] <= delays["p99"]["max"]
+    assert "batch_size" in capsys.readouterr().out

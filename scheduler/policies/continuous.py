@@ -57,6 +57,11 @@ class ContinuousBatching(BatchingPolicy):
         self._admit_waiting(plan, budget)
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        if not self.waiting and len(self.running) >= self.config.max_num_seqs:
+            # Full with nothing waiting here: a worker leaves the rest in the queue (it reads only
+            # what it can admit), so the slots are still what bounds the step.
+            plan.limit = StepLimit.SEQS
+            return
         while self.waiting:
             if len(self.running) >= self.config.max_num_seqs:
                 plan.limit = StepLimit.SEQS

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 
 import aiohttp
 import pytest
@@ -172,3 +173,45 @@ async def test_redis_restart_mid_stream_ends_every_request(appendonly):
                 assert usage["error"]["message"]
         assert worker.proc.alive() and system.gateway.proc.alive()
         wait_for(lambda: kv_idle(worker), 30, "worker idle")
+
+
+async def test_a_paused_worker_is_fenced_and_its_requests_finish_elsewhere():
+    """A worker frozen past its lease (SIGSTOP: a long GC pause, a partition) has its requests
+    taken over; when it wakes up its late writes are refused (fenced), it drops those requests
+    and rejoins. Each client still sees one stream without repeats or gaps."""
+    n, prompts = 120, random_prompts(21, 6)
+    body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    slow = {"JITNEY_FAILPOINTS": "step_delay_ms=15"}  # 120 tokens take about 2 s per worker
+    with running_system(("s1", "s2"), worker_env=slow) as system:
+        r = system.server.client()
+        async with aiohttp.ClientSession() as session:
+            streams = [
+                asyncio.create_task(stream_completion(session, system.base, {**body, "prompt": p}))
+                for p in prompts
+            ]
+
+            def generating() -> bool:
+                return all(w.metric("jitney_generation_tokens_total") > 5 for w in system.workers)
+
+            await asyncio.to_thread(wait_for, generating, 60, "both workers generating")
+            pending = {c["name"].decode(): c["pending"] for c in
+                       r.xinfo_consumers(KEYS.requests, WORKER_GROUP)}  # fmt: skip
+            paused, survivor = sorted(system.workers, key=lambda w: -pending.get(w.worker_id, 0))
+            paused.proc.proc.send_signal(signal.SIGSTOP)
+            await asyncio.to_thread(
+                wait_for,
+                lambda: survivor.metric("jitney_request_handoffs_total", event="taken_over") > 0,
+                30,
+                "takeover of the paused worker's requests",
+            )
+            paused.proc.proc.send_signal(signal.SIGCONT)
+            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        ref = load_model(MODEL)
+        for prompt, want, (text, usage) in zip(prompts, offline(prompts, n), results, strict=True):
+            assert usage["completion_tokens"] == n
+            assert_same_greedy_text(ref, prompt, text, want)
+        wait_for(lambda: "fenced" in paused.proc.output(), 10, "the paused worker fenced")
+        wait_for(lambda: r.zscore(KEYS.workers, paused.worker_id) is not None, 10, "rejoined")
+        for w in system.workers:
+            wait_for(lambda w=w: kv_idle(w), 10, "idle")
+        assert_nothing_left(r)

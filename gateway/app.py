@@ -117,6 +117,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
+    if gw.draining:
+        return web.json_response({"status": "not_ready", "reason": "shutting down"}, status=503)
     try:
         async with asyncio.timeout(gw.config.redis_timeout_s):
             await gw.redis.ping()
@@ -259,7 +261,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     options: dict[str, Any] = {
         "handler_cancellation": True,
         "access_log": None,  # request lines are noise at scale; metrics count them
-        "shutdown_timeout": 10.0,
+        # What is still open after the drain below is cancelled at once (cancels published).
+        "shutdown_timeout": 1.0,
         "max_line_size": config.max_header_line_bytes,
         "max_field_size": config.max_header_line_bytes,
         "max_headers": config.max_headers,
@@ -277,9 +280,24 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             "" if config.metrics_port is None else f" (metrics on :{config.metrics_port})",
         )  # fmt: skip
         await stop.wait()
+        await drain(app[GATEWAY])
     finally:
         for runner, _ in reversed(runners):
             await runner.cleanup()
+
+
+async def drain(gw: Gateway) -> None:
+    """Stop taking requests (503, /ready off) and give the open ones up to the shutdown timeout
+    to finish, so a rolling update cuts no stream that could end in time."""
+    gw.draining = True
+    deadline = time.monotonic() + gw.config.shutdown_timeout_s
+    if gw.router.num_in_flight:
+        log.info("draining in_flight=%d timeout_s=%g", gw.router.num_in_flight,
+                 gw.config.shutdown_timeout_s)  # fmt: skip
+    while gw.router.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if gw.router.num_in_flight:
+        log.warning("shutdown timeout: cancelling in_flight=%d", gw.router.num_in_flight)
 
 
 def run(config: GatewayConfig) -> None:

@@ -132,6 +132,9 @@ class GatewayConfig:
     retry_after_s: int = 1
     # SSE comment sent when a stream has been silent this long, so proxies keep it open.
     sse_keepalive_s: float = 15.0
+    # After SIGTERM: open requests get this long to finish while /ready and new requests answer
+    # 503 (a rolling update); what is still open then is cancelled (workers free its slots).
+    shutdown_timeout_s: float = 30.0
     # Bearer keys; empty: no auth. /health and /ready are always public.
     api_keys: tuple[ApiKey, ...] = ()
     # Serve /metrics on this port only, without auth (None: on the main port, behind auth).
@@ -161,6 +164,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request timeout must be > 0, got {self.request_timeout}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.chat_default_max_tokens < 1 or self.completion_default_max_tokens < 1:
             raise ValueError("default max_tokens must be >= 1")
         if self.reply_block_ms / 1000 >= self.redis_timeout_s:

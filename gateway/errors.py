@@ -68,6 +68,16 @@ def model_not_found(name: str) -> ApiError:
     )
 
 
+def shutting_down() -> ApiError:
+    return ApiError(
+        503,
+        "This gateway is shutting down; retry the request.",
+        type="service_unavailable",
+        code="shutting_down",
+        headers={"Retry-After": "1", "Connection": "close"},
+    )
+
+
 def redis_unavailable() -> ApiError:
     return ApiError(
         503,

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway.errors import ApiError, bad_request, redis_unavailable
+from gateway.errors import ApiError, bad_request, redis_unavailable, shutting_down
 from gateway.models import ServedModel
 from gateway.ratelimit import charge_tokens
 from gateway.replies import InFlight
@@ -50,6 +50,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     received = time.monotonic()
     gw = request.app[GATEWAY]
+    if gw.draining:  # a load balancer that has not noticed /ready yet: send it elsewhere
+        raise shutting_down()
     body = parse_json(await request.read())  # over client_max_size: 413 via the middleware
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     model = await gw.registry.resolve(parsed.model)

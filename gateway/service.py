@@ -80,6 +80,7 @@ class Gateway:
         self.registry = ModelRegistry(self.redis, self.keys, self.tokenizer_thread)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
+        self.draining = False  # stopping: no new requests, open ones finish
 
     async def start(self) -> None:
         try:  # Redis may be down at start: the gateway still comes up and answers 503

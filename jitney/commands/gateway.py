@@ -91,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="prompt + max_tokens per minute per API key (per client IP without keys); 0: off",
     )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stopping gateway (SIGTERM) gives open requests to finish: /ready and new "
+        "requests answer 503 meanwhile",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -128,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             api_keys=api_keys,
             metrics_port=args.metrics_port,
             rate_limits=RateLimits(args.rate_limit_rps, args.rate_limit_burst, args.rate_limit_tpm),
+            shutdown_timeout_s=args.shutdown_timeout,
         )
     except (OSError, ValueError) as e:  # key errors name the entry, never the key
         log.error("invalid gateway configuration: %s", e)

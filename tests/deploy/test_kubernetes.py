@@ -35,8 +35,6 @@ from tests.services import free_port, wait_for
 
 OVERLAYS = ["cpu", "gpu"]
 COMPONENTS = ["external-redis", "model-pvc", "worker-hpa"]
-# aiohttp's graceful shutdown in the gateway: open streams get this long after SIGTERM.
-GATEWAY_SHUTDOWN_S = 10
 # After --shutdown-timeout the worker keeps trying to deliver its last replies this long.
 WORKER_PUBLISH_GRACE_S = 5
 ALERT_TOPICS = {  # what the issue asks to alert on -> metric each alert must read
@@ -144,7 +142,7 @@ def test_gateway_probes_scaling_and_drain(built):
     # Drain: stop receiving (preStop), then aiohttp's shutdown for open streams, then margin.
     grace = deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert pre_stop_seconds(c) >= 5
-    assert grace >= pre_stop_seconds(c) + GATEWAY_SHUTDOWN_S + 5
+    assert grace >= pre_stop_seconds(c) + float(env(c)["JITNEY_SHUTDOWN_TIMEOUT"]) + 5
     # Each pod gets its own reply stream.
     assert env(c)["JITNEY_GATEWAY_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 

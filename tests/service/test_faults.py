@@ -215,3 +215,53 @@ async def test_a_paused_worker_is_fenced_and_its_requests_finish_elsewhere():
         for w in system.workers:
             wait_for(lambda w=w: kv_idle(w), 10, "idle")
         assert_nothing_left(r)
+
+
+async def test_gateway_sigterm_drains_open_streams_then_exits():
+    """A gateway told to stop (rolling update) turns /ready off and answers new requests 503
+    at once, lets its open streams finish, then exits 0."""
+    n = 100
+    body = {"model": MODEL, "prompt": "drain", "max_tokens": n, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    slow = {"JITNEY_FAILPOINTS": "step_delay_ms=20"}  # the stream lasts about 2 s
+    with running_system(("drain1",), worker_env=slow) as system:
+        (worker,) = system.workers
+        gateway = system.gateway
+        async with aiohttp.ClientSession() as session:
+            stream = asyncio.create_task(stream_completion(session, system.base, body))
+            await asyncio.to_thread(
+                wait_for, lambda: worker.metric("jitney_requests_running") == 1, 30, "streaming"
+            )
+            gateway.proc.proc.terminate()
+            await asyncio.sleep(0.3)
+            async with session.get(f"{system.base}/ready") as resp:
+                assert resp.status == 503 and (await resp.json())["reason"] == "shutting down"
+            async with session.post(f"{system.base}/v1/completions", json=body) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                assert (await resp.json())["error"]["code"] == "shutting_down"
+            text, usage = await asyncio.wait_for(stream, 30)
+        assert usage["completion_tokens"] == n and text
+        assert gateway.proc.proc.wait(30) == 0
+        assert worker.metric("jitney_requests_finished_total", reason="length") == 1
+
+
+async def test_gateway_shutdown_timeout_cancels_what_is_still_open():
+    """Streams still open when the gateway's --shutdown-timeout runs out are cut and cancelled:
+    the worker frees their slots and KV at once instead of generating for nobody."""
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    slow = {"JITNEY_FAILPOINTS": "step_delay_ms=20"}  # 1500 tokens would take 30 s
+    flags = ("--shutdown-timeout", "0.5")
+    with running_system(("cut1",), worker_env=slow, gateway_flags=flags) as system:
+        (worker,) = system.workers
+        async with aiohttp.ClientSession() as session:
+            stream = asyncio.create_task(stream_completion(session, system.base, body, True))
+            await asyncio.to_thread(
+                wait_for, lambda: worker.metric("jitney_requests_running") == 1, 30, "streaming"
+            )
+            system.gateway.proc.proc.terminate()
+            with pytest.raises(aiohttp.ClientError):
+                await asyncio.wait_for(stream, 30)  # cut: no [DONE]
+        assert system.gateway.proc.proc.wait(30) == 0
+        wait_for(lambda: kv_idle(worker), 10, "the cut request cancelled")
+        assert worker.metric("jitney_requests_finished_total", reason="abort") == 1

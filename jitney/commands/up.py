@@ -1,8 +1,9 @@
 """`jitney up`: everything on one machine: Redis (private unless REDIS_URL), a gateway, N workers.
 
 Each part runs as its own process, exactly as in a cluster (`jitney gateway`, `jitney worker`);
-this command only starts them, shows the model loading, prints where to send requests, and stops
-everything in reverse order on Ctrl-C.
+this command starts them, shows the model loading, prints where to send requests, restarts a part
+that dies (as Kubernetes would: a dead worker's requests are meanwhile taken over by the others,
+or by its replacement), and stops everything in reverse order on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 
 from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
 from jitney.protocol import redacted, redis_url
 
 READY_TIMEOUT_S = 600  # the first start may convert the bundled GGUF model (about a minute)
+# A part that dies this many times within CRASH_WINDOW_S is crash-looping: stop everything.
+MAX_RESTARTS = 5
+CRASH_WINDOW_S = 60.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,34 +87,79 @@ def private_redis() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@contextmanager
-def child(name: str, argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
-    """A jitney part whose output is echoed with a name prefix; SIGTERM (then kill) on exit."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jitney.cli", *argv],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+@dataclass
+class Part:
+    """One jitney process (`jitney worker ...` or `jitney gateway ...`), restartable; its output
+    is echoed with a name prefix."""
 
-    def echo() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            print(f"[{name}] {line}", end="", flush=True)
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[str] | None = None
+    crashes: list[float] = field(default_factory=list)  # monotonic times of unexpected exits
 
-    threading.Thread(target=echo, daemon=True).start()
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
+    def start(self) -> None:
+        self.proc = proc = subprocess.Popen(
+            [sys.executable, "-m", "jitney.cli", *self.argv],
+            env=self.env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def echo() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(f"[{self.name}] {line}", end="", flush=True)
+
+        threading.Thread(target=echo, daemon=True).start()
+        print(f"started {self.name} pid={proc.pid}", flush=True)
+
+    @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def restart_if_dead(self) -> bool:
+        """Restart the part if it died; False when it is crash-looping (give up)."""
+        if not self.exited:
+            return True
+        assert self.proc is not None
+        now = time.monotonic()
+        self.crashes = [t for t in self.crashes if now - t < CRASH_WINDOW_S] + [now]
+        print(f"{self.name} exited with {self.proc.returncode}", file=sys.stderr, flush=True)
+        if len(self.crashes) > MAX_RESTARTS:
+            print(f"{self.name} keeps dying ({len(self.crashes)} times in "
+                  f"{CRASH_WINDOW_S:g} s); stopping", file=sys.stderr, flush=True)  # fmt: skip
+            return False
+        self.start()
+        print(f"restarted {self.name}", flush=True)
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM (the part drains), then kill if it does not exit in time."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(60)
+                proc.wait(90)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextmanager
+def running(parts: list[Part]) -> Iterator[list[Part]]:
+    """Start the parts in order; stop them in reverse order, whatever happens."""
+    started: list[Part] = []
+    try:
+        for part in parts:
+            part.start()
+            started.append(part)
+        yield parts
+    finally:
+        for part in reversed(started):
+            part.stop()
 
 
 def _ready(url: str) -> bool:
@@ -152,31 +202,18 @@ def _run(args: argparse.Namespace) -> int:
         own = {f"JITNEY_{name.upper()}" for name in vars(args)}
         env = {k: v for k, v in os.environ.items() if k not in own}
         env |= {"REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
-        procs = [
-            stack.enter_context(
-                child(
-                    f"worker-{i}",
-                    [
-                        "worker",
-                        *engine_args_to_argv(args),
-                        "--metrics-port",
-                        str(args.metrics_port + i),
-                    ],
-                    env,
-                )
-            )
+        workers = [
+            Part(f"worker-{i}", ["worker", *engine_args_to_argv(args),
+                                 "--metrics-port", str(args.metrics_port + i)], env)
             for i in range(args.workers)
-        ]
-        procs.append(
-            stack.enter_context(
-                child("gateway", ["gateway", "--host", args.host, "--port", str(args.port)], env)
-            )
-        )
+        ]  # fmt: skip
+        gateway = Part("gateway", ["gateway", "--host", args.host, "--port", str(args.port)], env)
+        parts = stack.enter_context(running([*workers, gateway]))
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         base = f"http://{host}:{args.port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _ready(base):
-            if any(p.poll() is not None for p in procs):
+            if any(part.exited for part in parts):
                 print("a part exited during start-up; stopping", file=sys.stderr)
                 return 1
             if time.monotonic() > deadline:
@@ -184,9 +221,8 @@ def _run(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.5)
         print(_banner(base, args), flush=True)
-        while all(p.poll() is None for p in procs):
+        while all(part.restart_if_dead() for part in parts):
             time.sleep(0.5)
-        print("a part exited; stopping everything", file=sys.stderr)
         return 1
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import urllib.request
 
@@ -56,3 +58,36 @@ def test_up_serves_a_chat_request_and_stops_everything_on_sigterm():
         raise AssertionError("the private redis-server outlived jitney up")
     except redis.ConnectionError:
         pass
+
+
+def test_up_restarts_a_worker_that_dies():
+    """A worker killed under `jitney up` is restarted (as Kubernetes would) and serving goes on."""
+    port = free_port()
+    up = JitneyProcess(["up", "--model", "tiny-random", "--port", str(port),
+                        "--metrics-port", str(free_port()), "--kv-cache-memory", "16MiB"],
+                       {"REDIS_URL": ""}, name="up")  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert up.alive(), up.output()
+        with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
+            return resp.status == 200
+
+    def complete() -> dict:
+        body = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.load(resp)
+
+    try:
+        wait_for(ready, 120, "jitney up to be ready")
+        pid = int(re.search(r"started worker-0 pid=(\d+)", up.output()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: "restarted worker-0" in up.output(), 30, "the worker restarted")
+        wait_for(ready, 60, "ready again")
+        assert complete()["usage"]["completion_tokens"] == 4
+        assert up.alive()
+        assert up.stop(signal.SIGTERM, timeout=90) == 0
+    finally:
+        up.stop(signal.SIGKILL)

@@ -6,8 +6,10 @@ The model runs with ``attn_implementation="jitney_paged"`` and two extra keyword
 ``attn_metadata=AttentionMetadata`` and ``kv_cache=PagedKVCache``, which transformers (5.x) forwards
 untouched to ``paged_attention_forward`` in every layer. That function writes the step's K/V at
 ``slot_mapping`` and attends each sequence over its own blocks only, positions ``[0, ctx_i)``:
-- decode sequences (one new token) together: one gather + one SDPA over a padded batch, with GQA
-  folded into the query axis (``[Bd, kv_heads, groups, d]``) so K/V are never repeated;
+- decode sequences (one new token) in groups of similar context length: per group one gather +
+  one SDPA over a batch padded to the group's longest context, with GQA folded into the query
+  axis (``[Bd, kv_heads, groups, d]``) so K/V are never repeated. Grouping bounds the padding a
+  mixed batch would otherwise compute (short sequences padded to the longest one);
 - longer chunks one by one: SDPA with ``is_causal`` when the chunk starts at position 0 (its own
   fresh K/V are the whole context), else an explicit ``[n, ctx]`` mask over the gathered context.
 Everything index-shaped is built once per step in ``AttentionMetadata.build`` and shared by layers.
@@ -27,6 +29,35 @@ import transformers
 from worker.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "jitney_paged"
+# A new decode group costs one more gather + SDPA per layer; it pays when the padding it avoids
+# exceeds about this many key positions. Measured on CPU (SmolLM2, mixed-64 trace, same process):
+# 128 gave 123-147 tok/s against 117-127 for one padded batch; 32-64 and 256-2048 gained less.
+DECODE_GROUP_COST_TOKENS = 128
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode sequences (one new token each) attended together, keys padded to `max_len`."""
+
+    rows: torch.Tensor | slice  # their rows of T (a slice when contiguous)
+    gather: torch.Tensor  # [n * kv_heads * max_len] pool rows; pads -> block 0
+    ctx: torch.Tensor  # [n] int64 context lengths
+    max_len: int
+    min_len: int
+
+
+def group_decodes(ctx_lens: Sequence[int], cost: int = DECODE_GROUP_COST_TOKENS) -> list[list[int]]:
+    """Split decode sequences (indices into `ctx_lens`) into groups of similar length: in order
+    of length, a sequence starts a new group when joining would pad the group's members by more
+    key positions than `cost`."""
+    order = sorted(range(len(ctx_lens)), key=ctx_lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(groups[-1]) * (ctx_lens[i] - ctx_lens[groups[-1][-1]]) <= cost:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 @dataclass(slots=True)
@@ -50,15 +81,11 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [S] int64: rows of T whose logits are wanted
     block_size: int
     num_kv_heads: int
-    # Decode batch: the Bd sequences with exactly one new token, keys padded to decode_len.
-    decode_rows: torch.Tensor | slice | None  # their rows of T (a slice when contiguous)
-    decode_gather: torch.Tensor | None  # [Bd * kv_heads * decode_len] pool rows; pads -> block 0
-    decode_ctx: torch.Tensor | None  # [Bd] int64 context lengths
-    decode_len: int  # max context length over the decode batch
-    decode_min_len: int  # min context length over the decode batch
+    # The sequences with exactly one new token, in groups of similar context length.
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    # (chunk index or -1 for the decode batch, window) -> bool mask (True = attend), or None when
-    # no mask is needed. Filled for window None in build, for other windows by the first layer.
+    # (chunk index, or -1 - g for decode group g; window) -> bool mask (True = attend), or None
+    # when no mask is needed. Filled for window None in build, for other windows by layer 0.
     masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @property
@@ -106,20 +133,24 @@ class AttentionMetadata:
             slot = tables[seq_ids][:, pos // bs] * bs + pos % bs  # [n, length]
             return (slot[:, None, :] * kvh + torch.arange(kvh)[None, :, None]).flatten()
 
-        dec = [i for i in range(num_seqs) if lens[i] == 1]
-        decode_rows: torch.Tensor | slice | None = None
-        decode_gather = decode_ctx = None
-        decode_len = decode_min_len = 0
-        if dec:
-            rows = [cu_list[i] for i in dec]
-            contiguous = rows[-1] - rows[0] == len(rows) - 1
-            decode_rows = (
-                slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
+        def dev(x: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return x.to(device=device, dtype=dtype)
+
+        def decode_group(members: list[int]) -> DecodeGroup:
+            rows = [cu_list[i] for i in members]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            max_len = max(starts[i] for i in members) + 1
+            return DecodeGroup(
+                slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device),
+                dev(gather_rows(members, max_len)),
+                dev(ctx_t[members]),
+                max_len,
+                min(starts[i] for i in members) + 1,
             )
-            decode_len = max(starts[i] for i in dec) + 1
-            decode_min_len = min(starts[i] for i in dec) + 1
-            decode_ctx = ctx_t[dec]
-            decode_gather = gather_rows(dec, decode_len)
+
+        dec = [i for i in range(num_seqs) if lens[i] == 1]
+        groups = group_decodes([starts[i] + 1 for i in dec], DECODE_GROUP_COST_TOKENS)
+        decodes = [decode_group(sorted(dec[j] for j in g)) for g in groups]
         prefills = [
             PrefillChunk(
                 cu_list[i],
@@ -131,10 +162,6 @@ class AttentionMetadata:
             for i in range(num_seqs)
             if lens[i] > 1
         ]
-
-        def dev(x: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return x.to(device=device, dtype=dtype)
-
         meta = cls(
             slot_mapping=dev(slots),
             positions=dev(positions),
@@ -144,29 +171,25 @@ class AttentionMetadata:
             logits_indices=dev(logits_idx),
             block_size=bs,
             num_kv_heads=kvh,
-            decode_rows=decode_rows,
-            decode_gather=None if decode_gather is None else dev(decode_gather),
-            decode_ctx=None if decode_ctx is None else dev(decode_ctx),
-            decode_len=decode_len,
-            decode_min_len=decode_min_len,
+            decodes=decodes,
             prefills=prefills,
         )
-        if dec:
-            meta.decode_mask(None)
+        for g in range(len(decodes)):
+            meta.decode_mask(g, None)
         for i in range(len(prefills)):
             meta.prefill_mask(i, None)
         return meta
 
-    def decode_mask(self, window: int | None) -> torch.Tensor | None:
-        """[Bd, 1, 1, decode_len]: key k visible iff ctx - window <= k < ctx; None = all visible."""
-        key = (-1, window)
-        uniform = self.decode_min_len == self.decode_len
-        if uniform and (window is None or window >= self.decode_len):
-            return None  # every key of the padded batch is visible to every query
+    def decode_mask(self, g: int, window: int | None) -> torch.Tensor | None:
+        """[n, 1, 1, max_len] for decode group g: key k visible iff ctx - window <= k < ctx;
+        None = all visible."""
+        key, group = (-1 - g, window), self.decodes[g]
+        uniform = group.min_len == group.max_len
+        if uniform and (window is None or window >= group.max_len):
+            return None  # every key of the padded group is visible to every query
         if key not in self.masks:
-            assert self.decode_ctx is not None
-            ctx = self.decode_ctx[:, None]
-            k = torch.arange(self.decode_len, device=ctx.device)[None, :]
+            ctx = group.ctx[:, None]
+            k = torch.arange(group.max_len, device=ctx.device)[None, :]
             mask = k < ctx
             if window is not None:
                 mask &= k >= ctx - window
@@ -222,19 +245,19 @@ def paged_attention_forward(
     groups = num_heads // num_kv_heads
     out = query.new_empty(num_tokens, num_heads, head_dim)
 
-    if meta.decode_rows is not None:
-        assert meta.decode_gather is not None
-        q = query[0].transpose(0, 1)[meta.decode_rows]  # [Bd, heads, d]
+    queries = query[0].transpose(0, 1)  # [T, heads, d]
+    for g, group in enumerate(meta.decodes):
+        q = queries[group.rows]  # [n, heads, d]
         num_dec = q.shape[0]
         # Head h uses kv head h // groups, so groups fold into the query-length axis: no repeat.
         q = q.reshape(num_dec, num_kv_heads, groups, head_dim).to(k_rows.dtype)
-        shape = (num_dec, num_kv_heads, meta.decode_len, head_dim)
-        k = k_rows.index_select(0, meta.decode_gather).view(shape)
-        v = v_rows.index_select(0, meta.decode_gather).view(shape)
+        shape = (num_dec, num_kv_heads, group.max_len, head_dim)
+        k = k_rows.index_select(0, group.gather).view(shape)
+        v = v_rows.index_select(0, group.gather).view(shape)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=meta.decode_mask(window), scale=scaling
+            q, k, v, attn_mask=meta.decode_mask(g, window), scale=scaling
         )
-        out[meta.decode_rows] = o.reshape(num_dec, num_heads, head_dim).to(out.dtype)
+        out[group.rows] = o.reshape(num_dec, num_heads, head_dim).to(out.dtype)
 
     for i, c in enumerate(meta.prefills):
         q = query[:, :, c.q_start : c.q_end]  # [1, heads, n, d]

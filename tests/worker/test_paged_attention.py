@@ -21,8 +21,14 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from worker import paged_attention
 from worker.kv_cache import KVCacheSpec, PagedKVCache, parse_bytes
-from worker.paged_attention import AttentionMetadata, model_forward, use_paged_attention
+from worker.paged_attention import (
+    AttentionMetadata,
+    group_decodes,
+    model_forward,
+    use_paged_attention,
+)
 
 TOL = 1e-4
 TINY = dict(
@@ -152,6 +158,37 @@ def test_mixed_step_with_interleaved_blocks_matches_each_alone() -> None:
         (b, 6, 1, tables["b"]),  # decode (decode rows are not contiguous)
         (d, 6, 8, tables["d"]),  # continuing chunk after a cached prefix
     ]
+    for got, (toks, start, n, _) in zip(run_step(paged, cache, entries), entries, strict=True):
+        assert_close(got, reference_logits(ref, toks)[start : start + n])
+
+
+def test_group_decodes_splits_where_padding_would_cost_more_than_a_group() -> None:
+    assert group_decodes([]) == []
+    assert group_decodes([7, 7, 7], cost=0) == [[0, 1, 2]]  # equal lengths never pad
+    # In length order: 5, 30 (pads 25), then 300 would pad both by 270 each > 512: new group.
+    assert group_decodes([300, 5, 500, 30], cost=512) == [[1, 3], [0, 2]]
+    assert group_decodes([1, 2, 3], cost=0) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {}), ("mistral", {"sliding_window": 64})],
+    ids=["full", "sliding-window"],
+)
+def test_decodes_of_very_different_lengths_match_each_alone(family, overrides, monkeypatch) -> None:
+    """Decode sequences of contexts 5..500 form several groups (each padded to its own longest
+    context, with masks where lengths differ): logits still equal each sequence alone."""
+    monkeypatch.setattr(paged_attention, "DECODE_GROUP_COST_TOKENS", 512)
+    ref, paged = make_models(family, **overrides)
+    cache, pool = make_cache(paged.config, block_size=4, num_blocks=256), BlockPool(256, seed=5)
+    lengths = [300, 5, 500, 30, 29]
+    seqs = [rand_tokens(n, seed=40 + n) for n in lengths]
+    tables = [pool.take(-(-n // 4)) for n in lengths]
+    for toks, table in zip(seqs, tables, strict=True):  # the prompts, but for their last token
+        run_step(paged, cache, [(toks, 0, len(toks) - 1, table)])
+    entries = [(toks, len(toks) - 1, 1, table) for toks, table in zip(seqs, tables, strict=True)]
+    meta = AttentionMetadata.build([(s, n, t) for _, s, n, t in entries], cache)
+    assert len(meta.decodes) == 2
     for got, (toks, start, n, _) in zip(run_step(paged, cache, entries), entries, strict=True):
         assert_close(got, reference_logits(ref, toks)[start : start + n])
 

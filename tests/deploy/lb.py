@@ -101,31 +101,12 @@ class Nginx:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def start(self) -> Nginx:
-        check = subprocess.run(
-            [
-                self.binary,
-                "-t",
-                "-p",
-                str(self.dir),
-                "-c",
-                str(self.conf),
-                "-e",
-                str(self.dir / "error.log"),
-            ],
-            capture_output=True,
-            text=True,
-        )
+        args = [self.binary, "-p", str(self.dir), "-c", str(self.conf),
+                "-e", str(self.dir / "error.log")]  # fmt: skip
+        check = subprocess.run([*args, "-t"], capture_output=True, text=True)
         assert check.returncode == 0, f"nginx -t failed:\n{check.stderr}\n{self.conf.read_text()}"
         self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "-p",
-                str(self.dir),
-                "-c",
-                str(self.conf),
-                "-e",
-                str(self.dir / "error.log"),
-            ],
+            args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

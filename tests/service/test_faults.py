@@ -32,6 +32,33 @@ def assert_nothing_left(r: redis.Redis) -> None:
     assert list(r.scan_iter(match=KEYS.progress("*"))) == []
 
 
+def start_streams(
+    session: aiohttp.ClientSession, base: str, body: dict, prompts: list[list[int]], **kw: bool
+) -> list[asyncio.Task[tuple[str, dict]]]:
+    return [
+        asyncio.create_task(stream_completion(session, base, {**body, "prompt": p}, **kw))
+        for p in prompts
+    ]
+
+
+async def wait_generating(workers: list[Worker], tokens: int) -> None:
+    def generating() -> bool:
+        return all(w.metric("jitney_generation_tokens_total") > tokens for w in workers)
+
+    await asyncio.to_thread(wait_for, generating, 60, "every worker generating")
+
+
+def by_pending(r: redis.Redis, workers: list[Worker]) -> tuple[list[Worker], dict[str, int]]:
+    """The workers, most pending entries first, and the pending counts."""
+    pending = {_text(c["name"]): c["pending"] for c in
+               r.xinfo_consumers(KEYS.requests, WORKER_GROUP)}  # fmt: skip
+    return sorted(workers, key=lambda w: -pending.get(w.worker_id, 0)), pending
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def kv_idle(worker: Worker) -> bool:
     return worker.metric("jitney_requests_running") == 0 and worker.metric(
         "jitney_kv_blocks_free"
@@ -47,20 +74,11 @@ async def test_worker_killed_mid_generation_loses_and_repeats_nothing():
     with running_system(("k1", "k2")) as system:
         r = system.server.client()
         async with aiohttp.ClientSession() as session:
-            streams = [
-                asyncio.create_task(stream_completion(session, system.base, {**body, "prompt": p}))
-                for p in prompts
-            ]
-
+            streams = start_streams(session, system.base, body, prompts)
             # Both workers generating, then a random moment later, the busier one dies.
-            def generating() -> bool:
-                return all(w.metric("jitney_generation_tokens_total") > 20 for w in system.workers)
-
-            await asyncio.to_thread(wait_for, generating, 60, "both workers generating")
+            await wait_generating(system.workers, 20)
             await asyncio.sleep(random.Random(3).uniform(0.0, 0.8))
-            pending = {c["name"].decode(): c["pending"] for c in
-                       r.xinfo_consumers(KEYS.requests, WORKER_GROUP)}  # fmt: skip
-            victim, survivor = sorted(system.workers, key=lambda w: -pending.get(w.worker_id, 0))
+            (victim, survivor), pending = by_pending(r, system.workers)
             assert pending.get(victim.worker_id, 0) > 0
             victim.proc.proc.kill()
             results = await asyncio.wait_for(asyncio.gather(*streams), 120)
@@ -148,18 +166,8 @@ async def test_redis_restart_mid_stream_ends_every_request(appendonly):
     with running_system(("rr1",), appendonly=appendonly) as system:
         (worker,) = system.workers
         async with aiohttp.ClientSession() as session:
-            streams = [
-                asyncio.create_task(
-                    stream_completion(session, system.base, {**body, "prompt": p}, True)
-                )
-                for p in prompts
-            ]
-            await asyncio.to_thread(
-                wait_for,
-                lambda: worker.metric("jitney_generation_tokens_total") > 50,
-                60,
-                "generation under way",
-            )
+            streams = start_streams(session, system.base, body, prompts, allow_error=True)
+            await wait_generating([worker], 50)
             system.server.stop()  # SIGTERM: with AOF, Redis writes everything before exiting
             await asyncio.sleep(1.0)
             system.server.start()
@@ -185,18 +193,9 @@ async def test_a_paused_worker_is_fenced_and_its_requests_finish_elsewhere():
     with running_system(("s1", "s2"), worker_env=slow) as system:
         r = system.server.client()
         async with aiohttp.ClientSession() as session:
-            streams = [
-                asyncio.create_task(stream_completion(session, system.base, {**body, "prompt": p}))
-                for p in prompts
-            ]
-
-            def generating() -> bool:
-                return all(w.metric("jitney_generation_tokens_total") > 5 for w in system.workers)
-
-            await asyncio.to_thread(wait_for, generating, 60, "both workers generating")
-            pending = {c["name"].decode(): c["pending"] for c in
-                       r.xinfo_consumers(KEYS.requests, WORKER_GROUP)}  # fmt: skip
-            paused, survivor = sorted(system.workers, key=lambda w: -pending.get(w.worker_id, 0))
+            streams = start_streams(session, system.base, body, prompts)
+            await wait_generating(system.workers, 5)
+            (paused, survivor), _ = by_pending(r, system.workers)
             paused.proc.proc.send_signal(signal.SIGSTOP)
             await asyncio.to_thread(
                 wait_for,

@@ -78,6 +78,9 @@ def private_redis() -> Iterator[str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # Its own session: a terminal's Ctrl-C reaches only `up`, which stops Redis last, after
+        # the workers have delivered or handed back their requests.
+        start_new_session=True,
     )
     try:
         yield f"redis://127.0.0.1:{port}/0"

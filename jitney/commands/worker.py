@@ -79,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
         loaded.name, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids)
     )
     metrics = WorkerMetrics(loaded.name, worker_id)
-    port = metrics.serve(args.metrics_port)  # /metrics, /health, /ready
+    try:
+        port = metrics.serve(args.metrics_port)  # /metrics, /health, /ready
+    except OSError as e:  # the port is taken: say which, no traceback
+        logger.error("cannot_start %s", kv(metrics_port=args.metrics_port, error=e.strerror))
+        return 2
     io = WorkerRedis.connect(redis_url(), Keys(args.key_prefix), worker_id, args.idle_block_ms)
     conn = io.client.connection_pool.connection_kwargs  # no URL in logs: it may hold a password
     logger.info(

@@ -4,6 +4,7 @@ XREAD replies), reads the worker's /metrics, cancels and signals it."""
 from __future__ import annotations
 
 import random
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +20,14 @@ from jitney.protocol import (
     ReplyMessage,
     RequestMessage,
 )
-from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
+from tests.services import (
+    JitneyProcess,
+    RedisServer,
+    Worker,
+    start_worker,
+    wait_for,
+    wait_ready,
+)
 from tests.worker.engine_helpers import assert_greedy_parity
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -321,3 +329,16 @@ def test_sigterm_finishes_in_flight_requests_and_stops_reading(redis_server):
         assert "worker_stopped" in worker.proc.output()
     finally:
         worker.proc.stop()
+
+
+def test_worker_with_its_metrics_port_taken_exits_2_with_a_clear_error(redis_server):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["worker", "--model", MODEL, "--kv-cache-memory", "16MiB",
+                "--metrics-port", str(port), "--worker-id", "wport"]  # fmt: skip
+        proc = JitneyProcess(args, {"REDIS_URL": redis_server.url}, name="wport")
+        assert proc.proc.wait(60) == 2
+    out = proc.output()
+    assert f"cannot_start metrics_port={port}" in out and "Traceback" not in out

@@ -37,7 +37,6 @@ RELEASED_IDLE_MS = 24 * 3600 * 1000
 # KEYS: fence flag, request stream. ARGV: group, reply maxlen, progress ttl, then operations:
 #   R stream nomkstream(0|1) v m final(0|1) progress_key tokens_json   (a reply)
 #   A entry_id                                                         (XACK + XDEL)
-#   D key                                                              (DEL, e.g. a progress list)
 _PUBLISH = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local group, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3]
@@ -58,13 +57,10 @@ while i <= #ARGV do
       redis.call('EXPIRE', progress, ttl)
     end
     i = i + 8
-  elseif op == 'A' then
+  else  -- 'A'
     -- pcall: after a restart without persistence the group may be gone; nothing to ack then
     redis.pcall('XACK', KEYS[2], group, ARGV[i+1])
     redis.call('XDEL', KEYS[2], ARGV[i+1])
-    i = i + 2
-  else
-    redis.call('DEL', ARGV[i+1])
     i = i + 2
   end
 end
@@ -98,12 +94,11 @@ class Outbox:
 
     replies: list[tuple[str, ReplyMessage]] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)  # entries to XACK and XDEL
-    forget: list[str] = field(default_factory=list)  # requests whose progress list goes
     # Reply streams of gateways that are gone: replies go only if the stream still exists.
     gone_streams: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.replies or self.acks or self.forget)
+        return bool(self.replies or self.acks)
 
 
 @dataclass(slots=True)
@@ -258,8 +253,6 @@ class WorkerRedis:
                      json.dumps(reply.token_ids)]  # fmt: skip
         for entry_id in outbox.acks:
             args += ["A", entry_id]
-        for request_id in outbox.forget:
-            args += ["D", self.keys.progress(request_id)]
         fence = self.keys.fenced(self.worker_id)
         return bool(self.client.eval(_PUBLISH, 2, fence, self.keys.requests, *args))
 

@@ -70,6 +70,7 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_preemptions_total: int = 0
+    num_preempted_tokens_total: int = 0  # computed tokens preemptions threw away (recomputed)
     num_prefix_queries_total: int = 0
     num_prefix_hits_total: int = 0
     limit: StepLimit = StepLimit.NONE

@@ -70,6 +70,9 @@ class WorkerMetrics:
         self.kv_free = gauge("jitney_kv_blocks_free", "Free KV blocks (cached ones included)")
         self.kv_total = gauge("jitney_kv_blocks_total", "KV blocks in the pool")
         self.preemptions = counter("jitney_preemptions", "Sequences preempted (recompute)")
+        self.preempted_tokens = counter(
+            "jitney_preempted_tokens", "Computed tokens preemptions threw away (recomputed later)"
+        )
         self.ttft = hist(
             "jitney_time_to_first_token_seconds", "Gateway enqueue to first token", TTFT_BUCKETS
         )
@@ -108,7 +111,7 @@ class WorkerMetrics:
             registry=r,
         )  # fmt: skip
         # The scheduler's counters are running totals; the exporter adds their increments.
-        self._last_totals = (0, 0, 0)
+        self._last_totals = (0, 0, 0, 0)
         # /ready answers this (the service sets it: joined and not stopping).
         self.ready: Callable[[], bool] = lambda: True
 
@@ -149,11 +152,12 @@ class WorkerMetrics:
         self.batch_size_current.set(stats.batch_size)
         totals = (
             stats.num_preemptions_total,
+            stats.num_preempted_tokens_total,
             stats.num_prefix_hits_total,
             stats.num_prefix_queries_total,
         )
         for child, new, old in zip(
-            (self.preemptions, self.prefix_hits, self.prefix_queries),
+            (self.preemptions, self.preempted_tokens, self.prefix_hits, self.prefix_queries),
             totals,
             self._last_totals,
             strict=True,

@@ -12,9 +12,13 @@ Finished sequences leave the batch in the update of the step that finished them.
 
 from __future__ import annotations
 
+import logging
+
 from scheduler.plan import StepLimit, StepPlan
 from scheduler.policies.base import BatchingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("jitney.scheduler")
 
 
 class ContinuousBatching(BatchingPolicy):
@@ -89,8 +93,12 @@ class ContinuousBatching(BatchingPolicy):
         plan.chunks = [c for c in plan.chunks if c.seq_id != seq.seq_id]
         self.kv.free(seq)
         seq.set_status(SequenceStatus.PREEMPTED)
-        seq.num_computed_tokens = 0
+        lost, seq.num_computed_tokens = seq.num_computed_tokens, 0
         seq.num_preemptions += 1
         self.stats.num_preemptions_total += 1
+        self.stats.num_preempted_tokens_total += lost
+        # Which request paid, and how much: users cannot otherwise tell why one request was slow.
+        logger.info("preempted request=%s lost_tokens=%d times=%d", seq.seq_id, lost,
+                    seq.num_preemptions)  # fmt: skip
         self.waiting.appendleft(seq)
         plan.preempted_seq_ids.append(seq.seq_id)

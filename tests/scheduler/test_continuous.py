@@ -71,6 +71,7 @@ def test_newest_running_sequence_is_preempted_and_goes_first_in_line(make_schedu
     assert [s.seq_id for s in sched.waiting] == ["new", "late"]  # admission order kept
     assert all(sched.seqs[s].status is SequenceStatus.PREEMPTED for s in ("new", "late"))
     assert sched.seqs["new"].num_computed_tokens == 0 and sched.stats.num_preemptions_total == 2
+    assert sched.stats.num_preempted_tokens_total == 8  # both had their 4 prompt tokens computed
 
 
 def test_no_admission_in_a_step_that_preempted(make_scheduler):

@@ -125,7 +125,7 @@ async def ready(request: web.Request) -> web.Response:
             live = await gw.redis.zcount(gw.keys.workers, time.time() - HEARTBEAT_TTL_S, "+inf")
     except (RedisError, OSError, TimeoutError):
         return web.json_response({"status": "not_ready", "reason": "redis unavailable"}, status=503)
-    if live == 0:
+    if live == 0 and not gw.config.queue_without_workers:
         reason = f"no worker heartbeat within {HEARTBEAT_TTL_S:g} s"
         return web.json_response({"status": "not_ready", "reason": reason}, status=503)
     return web.json_response(

@@ -135,6 +135,9 @@ class GatewayConfig:
     # After SIGTERM: open requests get this long to finish while /ready and new requests answer
     # 503 (a rolling update); what is still open then is cancelled (workers free its slots).
     shutdown_timeout_s: float = 30.0
+    # Scale to zero: accept (queue) requests for a published model while no worker is live, and
+    # be ready with Redis alone, so an autoscaler watching the queue can start the first worker.
+    queue_without_workers: bool = False
     # Bearer keys; empty: no auth. /health and /ready are always public.
     api_keys: tuple[ApiKey, ...] = ()
     # Serve /metrics on this port only, without auth (None: on the main port, behind auth).

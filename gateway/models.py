@@ -84,6 +84,7 @@ class ModelRegistry:
         scan_s: float = 5.0,
         miss_rescan_s: float = 0.5,
         card_refresh_s: float = 30.0,
+        require_workers: bool = True,
     ):
         self.redis = redis
         self.keys = keys
@@ -92,6 +93,9 @@ class ModelRegistry:
         self.scan_s = scan_s
         self.miss_rescan_s = miss_rescan_s
         self.card_refresh_s = card_refresh_s
+        # False (scale to zero): a model whose card is published is served with no live worker;
+        # its requests wait in the queue for the first one.
+        self.require_workers = require_workers
         self._models: dict[str, ServedModel] = {}
         self._workers_live = False
         self._live_at = -float("inf")
@@ -114,9 +118,10 @@ class ModelRegistry:
             now = time.time()
             live = await self.redis.zcount(self.keys.workers, now - HEARTBEAT_TTL_S, "+inf")
             self._workers_live, self._live_at = live > 0, time.monotonic()
-        miss = miss or (self._workers_live and not self._models)
+        serving = self._workers_live or not self.require_workers
+        miss = miss or (serving and not self._models)
         await self._rescan_if_older_than(self.miss_rescan_s if miss else self.scan_s * 2)
-        return sorted(self._models.values(), key=lambda m: m.name) if self._workers_live else []
+        return sorted(self._models.values(), key=lambda m: m.name) if serving else []
 
     async def resolve(self, name: str | None) -> ServedModel:
         """The model a request names; `None` means the only one served."""

@@ -77,7 +77,10 @@ class Gateway:
             config.backlog_cache_s,
         )
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jitney-tokenizer")
-        self.registry = ModelRegistry(self.redis, self.keys, self.tokenizer_thread)
+        self.registry = ModelRegistry(
+            self.redis, self.keys, self.tokenizer_thread,
+            require_workers=not config.queue_without_workers,
+        )  # fmt: skip
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self.draining = False  # stopping: no new requests, open ones finish

@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a stopping gateway (SIGTERM) gives open requests to finish: /ready and new "
         "requests answer 503 meanwhile",
     )
+    p.add_argument(
+        "--queue-without-workers",
+        action="store_true",
+        help="scale to zero: accept requests for a published model while no worker is live (they "
+        "wait in the queue) and report ready with Redis alone",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -136,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             rate_limits=RateLimits(args.rate_limit_rps, args.rate_limit_burst, args.rate_limit_tpm),
             shutdown_timeout_s=args.shutdown_timeout,
+            queue_without_workers=args.queue_without_workers,
         )
     except (OSError, ValueError) as e:  # key errors name the entry, never the key
         log.error("invalid gateway configuration: %s", e)

@@ -16,6 +16,7 @@ import pytest
 import redis
 import yaml
 
+from jitney.cli import build_parser
 from jitney.protocol import WORKER_GROUP, Keys
 from tests.deploy.manifests import (
     K8S,
@@ -34,7 +35,7 @@ from tests.deploy.manifests import (
 from tests.services import free_port, wait_for
 
 OVERLAYS = ["cpu", "gpu"]
-COMPONENTS = ["external-redis", "model-pvc", "worker-hpa"]
+COMPONENTS = ["external-redis", "model-pvc", "worker-hpa", "scale-to-zero"]
 # After --shutdown-timeout the worker keeps trying to deliver its last replies this long.
 WORKER_PUBLISH_GRACE_S = 5
 ALERT_TOPICS = {  # what the issue asks to alert on -> metric each alert must read
@@ -75,7 +76,7 @@ def test_schema_validation_catches_mistakes(built):
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
-def test_optional_component_builds_and_validates(tmp_path, component):
+def test_optional_component_builds_and_validates(tmp_path, monkeypatch, component):
     (tmp_path / "kustomization.yaml").write_text(
         yaml.safe_dump(
             {
@@ -98,6 +99,13 @@ def test_optional_component_builds_and_validates(tmp_path, component):
             assert env(c)["REDIS_URL"].startswith("rediss://")
         trigger = find(docs, "ScaledObject", "jitney-worker")["spec"]["triggers"][0]
         assert trigger["metadata"]["enableTLS"] == "true"
+    elif component == "scale-to-zero":
+        scaled = find(docs, "ScaledObject", "jitney-worker")["spec"]
+        assert scaled["minReplicaCount"] == 0 and scaled["cooldownPeriod"] >= 300
+        gateway = container(find(docs, "Deployment", "jitney-gateway"), "gateway")
+        assert env(gateway)["JITNEY_QUEUE_WITHOUT_WORKERS"] == "1"
+        monkeypatch.setenv("JITNEY_QUEUE_WITHOUT_WORKERS", "1")  # the gateway reads it so
+        assert build_parser().parse_args(["gateway"]).queue_without_workers is True
     elif component == "model-pvc":
         find(docs, "PersistentVolumeClaim", "jitney-models")
         assert env(worker)["JITNEY_MODEL"].startswith("/models/")
@@ -180,7 +188,6 @@ def test_worker_probes_drain_and_device(built, overlay):
 
 
 def _worker_help() -> str:
-    from jitney.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -191,7 +198,8 @@ def test_keda_scales_workers_on_the_request_stream_lag(built):
     docs = built["cpu"]
     scaled = find(docs, "ScaledObject", "jitney-worker")["spec"]
     assert scaled["scaleTargetRef"]["name"] == "jitney-worker"
-    # Never to zero: gateways are not ready without a worker, so nothing would wake one.
+    # Not to zero by default: gateways are not ready without a worker (components/scale-to-zero
+    # changes both).
     assert 1 <= scaled["minReplicaCount"] < scaled["maxReplicaCount"]
     assert scaled["cooldownPeriod"] >= 60
     behavior = scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]

@@ -52,11 +52,12 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 # The whole service on this machine: a private Redis, the gateway on :8000 and one worker
-# serving the bundled SmolLM2. Extra flags: make up ARGS='--workers 2 --batching static'
-up: install
+# serving the bundled SmolLM2 (only what the service needs: not the test tools).
+# Extra flags: make up ARGS='--workers 2 --batching static'
+up: $(STAMP) redis
 	$(BIN)/jitney up $(ARGS)
 
-simulate: install
+simulate: $(STAMP)
 	$(BIN)/jitney simulate --scenario seed --plot simulate-seed.png
 
 lint: install

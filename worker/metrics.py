@@ -26,6 +26,7 @@ from prometheus_client import (
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from scheduler import SchedulerStats
+from worker.vllm_metrics import served_registry
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -120,11 +121,12 @@ class WorkerMetrics:
         if n:
             self._handoffs.labels(**self._labels, event=event).inc(n)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+    def serve(self, port: int, addr: str = "0.0.0.0", vllm_names: bool = False) -> int:
         """Serve /metrics, /health (the process is up) and /ready (taking work) in a background
-        thread; returns the port (useful when `port` is 0)."""
+        thread; returns the port (useful when `port` is 0). `vllm_names`: also export the
+        metrics under vLLM's names (worker/vllm_metrics.py)."""
         disable_created_metrics()  # no `_created` series: dashboards never read them
-        metrics_app = make_wsgi_app(self.registry)
+        metrics_app = make_wsgi_app(served_registry(self.registry) if vllm_names else self.registry)
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "")

@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a stopping worker gives in-flight requests before aborting them",
     )
     p.add_argument(
+        "--vllm-metrics",
+        action="store_true",
+        help="also export the metrics under vLLM's names (vllm:num_requests_waiting, ...), for "
+        "dashboards and autoscaling rules written for vLLM",
+    )
+    p.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="debug logs every request"
     )
     add_engine_arguments(p)
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     )
     metrics = WorkerMetrics(loaded.name, worker_id)
     try:
-        port = metrics.serve(args.metrics_port)  # /metrics, /health, /ready
+        port = metrics.serve(args.metrics_port, vllm_names=args.vllm_metrics)
     except OSError as e:  # the port is taken: say which, no traceback
         logger.error("cannot_start %s", kv(metrics_port=args.metrics_port, error=e.strerror))
         return 2

@@ -342,3 +342,28 @@ def test_worker_with_its_metrics_port_taken_exits_2_with_a_clear_error(redis_ser
         assert proc.proc.wait(60) == 2
     out = proc.output()
     assert f"cannot_start metrics_port={port}" in out and "Traceback" not in out
+
+
+def test_vllm_metric_names_mirror_the_workers_own(redis_server):
+    """--vllm-metrics: the same values under vLLM's names, for dashboards written for vLLM."""
+    r = redis_server.client()
+    worker = start_worker(redis_server, "wvllm", "--vllm-metrics")
+    try:
+        wait_ready(r, worker)
+        replies = Replies(r)
+        send(r, "v1", [5, 6, 7], 6)
+        send(r, "v2", [8, 9], 3)
+        replies.wait("v1", "v2")
+        pairs = {
+            "jitney_generation_tokens_total": "vllm:generation_tokens_total",
+            "jitney_prompt_tokens_total": "vllm:prompt_tokens_total",
+            "jitney_time_to_first_token_seconds_count": "vllm:time_to_first_token_seconds_count",
+            "jitney_requests_running": "vllm:num_requests_running",
+            "jitney_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+        }
+        assert worker.metric("jitney_generation_tokens_total") == 9
+        for ours, theirs in pairs.items():
+            assert worker.metric(theirs, model_name=MODEL) == worker.metric(ours), theirs
+        assert worker.metric("vllm:request_success_total", finished_reason="length") == 2
+    finally:
+        worker.proc.stop()

@@ -33,6 +33,7 @@ from jitney.protocol import (
     CancelMessage,
     Keys,
 )
+from jitney.redis_client import async_client
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,11 @@ STALE_GATEWAY_S = 3600.0
 
 
 def make_redis(config: GatewayConfig) -> aioredis.Redis:
-    # A blocking pool: under a burst, handlers wait (up to the Redis timeout) for one of a
-    # bounded set of connections instead of failing with "Too many connections".
-    pool = aioredis.BlockingConnectionPool.from_url(
+    # A blocking pool (plain URLs): under a burst, handlers wait (up to the Redis timeout) for
+    # one of a bounded set of connections instead of failing with "Too many connections".
+    return async_client(
         config.redis_url,
         max_connections=config.redis_max_connections,
-        timeout=config.redis_timeout_s,
         socket_timeout=config.redis_timeout_s,
         socket_connect_timeout=config.redis_timeout_s,
         # One retry covers a connection Redis closed on restart; more would stretch a 503
@@ -54,7 +54,6 @@ def make_redis(config: GatewayConfig) -> aioredis.Redis:
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1),
         health_check_interval=10,
     )
-    return aioredis.Redis(connection_pool=pool)
 
 
 class Gateway:

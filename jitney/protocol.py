@@ -66,11 +66,9 @@ def redis_url() -> str:
 
 
 def redacted(url: str) -> str:
-    """The URL without its credentials, for logs."""
+    """The URL without its credentials, for logs (Sentinel URLs list several hosts)."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,13 +43,16 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str, interval: flo
 class RedisServer:
     """A private redis-server the test owns: it can be stopped, killed and restarted."""
 
-    def __init__(self, port: int | None = None, appendonly: bool = False):
+    def __init__(
+        self, port: int | None = None, appendonly: bool = False, extra_args: tuple[str, ...] = ()
+    ):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found: `make install` installs it (Debian)")
         self.binary = binary
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.extra_args = extra_args
         self.dir = Path(tempfile.mkdtemp(prefix="jitney-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -70,6 +73,7 @@ class RedisServer:
             "yes" if self.appendonly else "no",
             "--dir",
             str(self.dir),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: self.client().ping(), 10, f"redis-server on port {self.port}")

@@ -81,3 +81,5 @@ def test_redis_url_is_redacted_for_logs():
 
     assert redacted("rediss://:s3cret@redis.example:6380/0") == "rediss://redis.example:6380/0"
     assert redacted("redis://user:pw@localhost/1") == "redis://localhost/1"
+    sentinel = "redis+sentinel://:pw@s1:26379,s2:26379/mymaster/0"
+    assert redacted(sentinel) == "redis+sentinel://s1:26379,s2:26379/mymaster/0"

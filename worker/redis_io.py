@@ -24,6 +24,7 @@ from jitney.protocol import (
     ModelCard,
     ReplyMessage,
 )
+from jitney.redis_client import sync_client
 
 # A blocking read must return before the socket times out (redis-py raises TimeoutError then).
 SOCKET_TIMEOUT_MARGIN_S = 5.0
@@ -134,7 +135,7 @@ class WorkerRedis:
 
     @classmethod
     def connect(cls, url: str, keys: Keys, worker_id: str, idle_block_ms: int) -> WorkerRedis:
-        client = redis.Redis.from_url(
+        client = sync_client(
             url,
             socket_timeout=idle_block_ms / 1000 + SOCKET_TIMEOUT_MARGIN_S,
             socket_connect_timeout=2.0,

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     # Our own events at the chosen level; libraries (redis-py, transformers) only warn.
     logging.getLogger("jitney").setLevel(args.log_level.upper())
     from jitney.model_card import card_from_tokenizer
-    from jitney.protocol import Keys, redis_url
+    from jitney.protocol import Keys, redacted, redis_url
     from worker.engine import Engine
     from worker.failpoints import Failpoints
     from worker.metrics import WorkerMetrics
@@ -91,14 +91,13 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot_start %s", kv(metrics_port=args.metrics_port, error=e.strerror))
         return 2
     io = WorkerRedis.connect(redis_url(), Keys(args.key_prefix), worker_id, args.idle_block_ms)
-    conn = io.client.connection_pool.connection_kwargs  # no URL in logs: it may hold a password
     logger.info(
         "worker_starting %s",
         kv(
             worker=worker_id,
             model=loaded.name,
             metrics_port=port,
-            redis=f"{conn.get('host', conn.get('path'))}:{conn.get('port', '')}",
+            redis=redacted(redis_url()),  # no password in logs
             key_prefix=args.key_prefix,
         ),
     )

@@ -52,9 +52,6 @@ SHUTDOWN_PUBLISH_GRACE_S = 5.0
 WAITING_POLL_MS = 5
 TYPICAL_BLOCKS_EMA = 0.2
 INVALID_REQUEST = "invalid_request_error"
-# The heartbeat thread stops renewing the lease when the loop has not come round for this long
-# (a hung step): other workers then take its requests over.
-LOOP_STALL_S = 60.0
 # This many failed steps in a row (none succeeding in between) and the worker exits non-zero:
 # the device is broken, not a request (a poison request fails at most MAX_DELIVERIES times).
 MAX_CONSECUTIVE_STEP_FAILURES = 10
@@ -65,6 +62,9 @@ class ServiceConfig:
     worker_id: str
     idle_block_ms: int = 1000
     shutdown_timeout_s: float = 30.0
+    # The heartbeat thread stops renewing the lease when the loop has not come round for this
+    # long (a hung step): other workers then take its requests over. Longer than any real step.
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -73,6 +73,11 @@ class ServiceConfig:
             raise ValueError(f"idle_block_ms must be in [1, 60000], got {self.idle_block_ms}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.stall_timeout_s <= self.idle_block_ms / 1000:
+            raise ValueError(
+                f"stall_timeout ({self.stall_timeout_s} s) must exceed the idle block "
+                f"({self.idle_block_ms} ms): an idle worker would look hung"
+            )
 
 
 @dataclass(slots=True)
@@ -182,7 +187,7 @@ class WorkerService:
         """Renew the lease every HEARTBEAT_INTERVAL_S while the loop is alive, from a thread of
         its own: a long step (a big prefill on a slow device) must not look like a dead worker."""
         while not self._heartbeat_stop.wait(HEARTBEAT_INTERVAL_S):
-            if time.monotonic() - self.state.loop_alive_at > LOOP_STALL_S:
+            if time.monotonic() - self.state.loop_alive_at > self.config.stall_timeout_s:
                 continue  # hung: let the lease lapse so others take the work over
             try:
                 if not self.io.heartbeat(self.card):

@@ -46,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a stopping worker gives in-flight requests before aborting them",
     )
     p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without the engine loop coming round (a hung step) after which the worker "
+        "stops renewing its lease, so other workers take its requests over",
+    )
+    p.add_argument(
         "--vllm-metrics",
         action="store_true",
         help="also export the metrics under vLLM's names (vllm:num_requests_waiting, ...), for "
@@ -70,7 +77,13 @@ def run(args: argparse.Namespace) -> int:
     from worker.service import ServiceConfig, StepFailuresExceeded, WorkerService, kv
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    config = ServiceConfig(worker_id, args.idle_block_ms, args.shutdown_timeout)
+    try:
+        config = ServiceConfig(
+            worker_id, args.idle_block_ms, args.shutdown_timeout, args.stall_timeout
+        )
+    except ValueError as e:
+        logger.error("cannot_start %s", kv(error=e))
+        return 2
 
     try:
         engine = Engine(engine_config_from_args(args))  # the loader logs each stage

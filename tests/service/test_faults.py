@@ -13,7 +13,7 @@ import redis
 
 from jitney.protocol import WORKER_GROUP, Keys
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
-from tests.services import Worker, running_system, wait_for
+from tests.services import Worker, running_system, start_worker, wait_for
 from worker.model_loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -264,3 +264,34 @@ async def test_gateway_shutdown_timeout_cancels_what_is_still_open():
         assert system.gateway.proc.proc.wait(30) == 0
         wait_for(lambda: kv_idle(worker), 10, "the cut request cancelled")
         assert worker.metric("jitney_requests_finished_total", reason="abort") == 1
+
+
+async def test_a_hung_step_lets_the_lease_lapse_and_another_worker_finishes():
+    """A worker whose step hangs (8 s here, past --stall-timeout 1 s plus the 5 s lease) stops
+    renewing its lease although the process is alive; a second worker takes the request over and
+    finishes it; the hung one, when its step returns, is refused (fenced) and rejoins."""
+    body = {"model": MODEL, "prompt": "hang", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    hang = {"JITNEY_FAILPOINTS": "step_delay_ms=8000"}
+    flags = ("--stall-timeout", "1", "--idle-block-ms", "200")
+    with running_system(("hung",), flags, hang) as system:
+        (hung,) = system.workers
+        r = system.server.client()
+        async with aiohttp.ClientSession() as session:
+            call = asyncio.create_task(
+                session.post(f"{system.base}/v1/completions", json={**body, "stream": False})
+            )
+            await asyncio.to_thread(
+                wait_for, lambda: by_pending(r, [hung])[1].get("hung", 0) == 1, 30, "taken"
+            )
+            helper = start_worker(system.server, "helper")
+            try:
+                resp = await asyncio.wait_for(call, 60)
+                assert resp.status == 200
+                assert (await resp.json())["usage"]["completion_tokens"] == 6
+                assert helper.metric("jitney_request_handoffs_total", event="taken_over") == 1
+                wait_for(lambda: "fenced" in hung.proc.output(), 30, "the hung worker fenced")
+                assert hung.proc.alive()
+            finally:
+                helper.proc.stop()
+        assert_nothing_left(r)

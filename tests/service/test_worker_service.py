@@ -367,3 +367,14 @@ def test_vllm_metric_names_mirror_the_workers_own(redis_server):
         assert worker.metric("vllm:request_success_total", finished_reason="length") == 2
     finally:
         worker.proc.stop()
+
+
+def test_worker_with_a_stall_timeout_under_its_idle_block_refuses_to_start(redis_server):
+    """An idle worker blocks on the stream for --idle-block-ms: a shorter --stall-timeout would
+    make it look hung to itself. Refused at start with the reason."""
+    args = ["worker", "--model", MODEL, "--kv-cache-memory", "16MiB", "--metrics-port", "0",
+            "--idle-block-ms", "1000", "--stall-timeout", "0.5"]  # fmt: skip
+    proc = JitneyProcess(args, {"REDIS_URL": redis_server.url}, name="wstall")
+    assert proc.proc.wait(60) == 2
+    assert "cannot_start" in proc.output() and "stall_timeout" in proc.output()
+    assert "Traceback" not in proc.output()

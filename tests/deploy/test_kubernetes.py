@@ -18,6 +18,7 @@ import yaml
 
 from jitney.cli import build_parser
 from jitney.protocol import WORKER_GROUP, Keys
+from jitney.redis_client import sentinel_target
 from tests.deploy.manifests import (
     K8S,
     KUSTOMIZE_ARGS,
@@ -35,7 +36,9 @@ from tests.deploy.manifests import (
 from tests.services import free_port, wait_for
 
 OVERLAYS = ["cpu", "gpu"]
-COMPONENTS = ["external-redis", "model-pvc", "worker-hpa", "scale-to-zero"]
+# Each entry: components applied together, in order.
+COMPONENTS = ["external-redis", "model-pvc", "worker-hpa", "scale-to-zero",
+              "external-redis+sentinel"]  # fmt: skip
 # After --shutdown-timeout the worker keeps trying to deliver its last replies this long.
 WORKER_PUBLISH_GRACE_S = 5
 ALERT_TOPICS = {  # what the issue asks to alert on -> metric each alert must read
@@ -82,7 +85,9 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
             {
                 # kustomize takes relative paths only.
                 "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
-                "components": [os.path.relpath(K8S / "components" / component, tmp_path)],
+                "components": [
+                    os.path.relpath(K8S / "components" / c, tmp_path) for c in component.split("+")
+                ],
             }
         )
     )
@@ -99,6 +104,24 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
             assert env(c)["REDIS_URL"].startswith("rediss://")
         trigger = find(docs, "ScaledObject", "jitney-worker")["spec"]["triggers"][0]
         assert trigger["metadata"]["enableTLS"] == "true"
+    elif component == "external-redis+sentinel":
+        gateway = container(find(docs, "Deployment", "jitney-gateway"), "gateway")
+        for c in (gateway, worker):
+            url = env(c)["REDIS_URL"]
+            assert url.startswith("redis+sentinels://") and "$(REDIS_SENTINELS)" in url
+            expanded = (
+                url.replace("$(REDIS_PASSWORD)", "pw")
+                .replace("$(REDIS_SENTINELS)", env(c)["REDIS_SENTINELS"])
+                .replace("$(REDIS_SENTINEL_SERVICE)", env(c)["REDIS_SENTINEL_SERVICE"])
+            )
+            target = sentinel_target(expanded)  # the URL the processes will parse
+            assert target is not None and target.tls and len(target.sentinels) == 3
+        (trigger,) = find(docs, "ScaledObject", "jitney-worker")["spec"]["triggers"]
+        assert trigger["type"] == "redis-sentinel-streams"
+        meta = trigger["metadata"]
+        assert meta["addressesFromEnv"] == "REDIS_SENTINELS" and "addressFromEnv" not in meta
+        assert meta["sentinelMasterFromEnv"] == "REDIS_SENTINEL_SERVICE"
+        assert meta["stream"] == Keys().requests and meta["consumerGroup"] == WORKER_GROUP
     elif component == "scale-to-zero":
         scaled = find(docs, "ScaledObject", "jitney-worker")["spec"]
         assert scaled["minReplicaCount"] == 0 and scaled["cooldownPeriod"] >= 300

@@ -40,6 +40,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 LABELS = ("model", "worker")
+HANDOFF_EVENTS = ("taken_over", "handed_back", "dead_lettered", "gateway_gone")
 
 
 class WorkerMetrics:
@@ -107,6 +108,8 @@ class WorkerMetrics:
             (*LABELS, "event"),
             registry=r,
         )
+        for event in HANDOFF_EVENTS:  # exported as 0 from the start: rate() and alerts see them
+            self._handoffs.labels(**self._labels, event=event)
         self._steps = Counter(
             "jitney_steps", "Engine steps by the limit that bound them", (*LABELS, "limit"),
             registry=r,
@@ -117,7 +120,7 @@ class WorkerMetrics:
         self.ready: Callable[[], bool] = lambda: True
 
     def handoff(self, event: str, n: int = 1) -> None:
-        """event: taken_over | handed_back | dead_lettered | gateway_gone."""
+        """event: one of HANDOFF_EVENTS."""
         if n:
             self._handoffs.labels(**self._labels, event=event).inc(n)
 

@@ -107,6 +107,14 @@ TESTS = [
             ),
         ],
     ),
+    # One request dead-lettered at 10m fires at once; none for a while stays quiet.
+    case(
+        [(f'jitney_request_handoffs_total{{{W}, event="dead_lettered"}}', "0x9 1x20")],
+        [
+            ("5m", "JitneyRequestsDeadLettered", []),
+            ("11m", "JitneyRequestsDeadLettered", [alert("JitneyRequestsDeadLettered", model="m")]),
+        ],
+    ),
     # The only worker's series goes stale at 5m: the alert fires 2 minutes later.
     case(
         [(f"jitney_kv_blocks_total{{{W}}}", "100x4 stale")],

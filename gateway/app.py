@@ -291,13 +291,13 @@ async def drain(gw: Gateway) -> None:
     to finish, so a rolling update cuts no stream that could end in time."""
     gw.draining = True
     deadline = time.monotonic() + gw.config.shutdown_timeout_s
-    if gw.router.num_in_flight:
-        log.info("draining in_flight=%d timeout_s=%g", gw.router.num_in_flight,
+    if gw.active_requests:
+        log.info("draining in_flight=%d timeout_s=%g", gw.active_requests,
                  gw.config.shutdown_timeout_s)  # fmt: skip
-    while gw.router.num_in_flight and time.monotonic() < deadline:
+    while gw.active_requests and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if gw.router.num_in_flight:
-        log.warning("shutdown timeout: cancelling in_flight=%d", gw.router.num_in_flight)
+    if gw.active_requests:
+        log.warning("shutdown timeout: cancelling in_flight=%d", gw.active_requests)
 
 
 def run(config: GatewayConfig) -> None:

@@ -48,10 +48,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
-    received = time.monotonic()
     gw = request.app[GATEWAY]
     if gw.draining:  # a load balancer that has not noticed /ready yet: send it elsewhere
         raise shutting_down()
+    gw.active_requests += 1  # a drain waits for these, tokenizing ones included
+    try:
+        return await _serve(request, kind, gw)
+    finally:
+        gw.active_requests -= 1
+
+
+async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamResponse:
+    received = time.monotonic()
     body = parse_json(await request.read())  # over client_max_size: 413 via the middleware
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     model = await gw.registry.resolve(parsed.model)

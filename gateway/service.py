@@ -83,6 +83,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self.draining = False  # stopping: no new requests, open ones finish
+        self.active_requests = 0  # generation requests being handled (the drain waits for them)
 
     async def start(self) -> None:
         try:  # Redis may be down at start: the gateway still comes up and answers 503

@@ -11,12 +11,13 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
 
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
-from tests.services import running_system, start_worker
+from tests.services import System, Worker, running_system, start_worker
 from worker.model_loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -44,21 +45,33 @@ async def test_requests_survive_workers_killed_stopped_and_frozen():
                     results.append((prompt, text, usage))
 
             clients = [asyncio.create_task(client()) for _ in range(16)]
-            for fault in itertools.cycle(["kill", "stop", "term"]):
-                await asyncio.sleep(rng.uniform(2, 4))
-                if time.monotonic() > stop_at - 8:
-                    break
-                victim = rng.choice([w for w in workers if w.proc.alive()])
-                if fault == "stop":  # frozen past its lease, then back: it must be fenced
-                    victim.proc.proc.send_signal(signal.SIGSTOP)
-                    await asyncio.sleep(7)
-                    victim.proc.proc.send_signal(signal.SIGCONT)
-                    continue
-                victim.proc.proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGTERM)
-                workers.append(start_worker(system.server, next(names), env=SLOW))
-            await asyncio.wait_for(asyncio.gather(*clients), 120)
+            try:
+                await _inject_faults(rng, system, workers, names, stop_at)
+                await asyncio.wait_for(asyncio.gather(*clients), 120)
+            finally:
+                for worker in workers[2:]:  # the replacements (running_system stops the rest)
+                    worker.proc.stop()
     ref = load_model(MODEL)
     assert len(results) > 100
     for prompt, text, usage in results:
         assert usage.get("completion_tokens") == MAX_TOKENS, usage
         assert_same_greedy_text(ref, prompt, text, want[tuple(prompt)])
+
+
+async def _inject_faults(
+    rng: random.Random, system: System, workers: list[Worker], names: Iterator[str], stop_at: float
+) -> None:
+    """Kill, stop (rolling update) or freeze a live worker every 2-4 s; start a replacement for
+    each one that goes (as an orchestrator would)."""
+    for fault in itertools.cycle(["kill", "stop", "term"]):
+        await asyncio.sleep(rng.uniform(2, 4))
+        if time.monotonic() > stop_at - 8:
+            return
+        victim = rng.choice([w for w in workers if w.proc.alive()])
+        if fault == "stop":  # frozen past its lease, then back: it must be fenced
+            victim.proc.proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(7)
+            victim.proc.proc.send_signal(signal.SIGCONT)
+            continue
+        victim.proc.proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGTERM)
+        workers.append(start_worker(system.server, next(names), env=SLOW))

@@ -224,7 +224,11 @@ def test_bench_report_draws_the_key_series(live, tmp_path: Path, capsys):
     for w in WORKERS:
         assert MAX_NUM_SEQS - 1 < summary["batch_size"][f"mean {w}"]["max"] <= MAX_NUM_SEQS
         assert 0 < summary["kv_cache_usage"][w]["max"] <= 1
-    assert summary["running_waiting"]["running"]["max"] == len(WORKERS) * MAX_NUM_SEQS
+    # `running` is a gauge sampled once a second: a scrape may land between one request
+    # finishing and the next being admitted, so the peak proves both workers ran at once
+    # (more than one worker's slots) and never more than all slots, not an exact count.
+    running_peak = summary["running_waiting"]["running"]["max"]
+    assert MAX_NUM_SEQS < running_peak <= len(WORKERS) * MAX_NUM_SEQS
     assert summary["running_waiting"]["queue lag (in the stream)"]["max"] > 0
     assert all(s["max"] > 0 for s in summary["output_tokens"].values())
     delays = summary["queue_delay"]

@@ -1,6 +1,6 @@
 """Every dashboard query, the alert rules and `jitney bench report` against a real Prometheus
-(Debian's) scraping a live stack every second: a private redis-server, a `jitney gateway` and two
-tiny-random workers, under a short burst of streaming requests."""
+(Debian's) scraping a live `jitney up` every second (its gateway and two tiny-random workers, on a
+redis-server the test starts), under a short burst of streaming requests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import asyncio
 import json
 import math
 import random
+import signal
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from bench.prom_report import KEY_SERIES, Prometheus
 from bench.serve import run_serve
 from bench.trace import TraceRequest
 from jitney.cli import main
+from jitney.protocol import Keys
 from tests.observability.helpers import (
     PrometheusServer,
     label_values,
@@ -33,11 +36,11 @@ from tests.observability.helpers import (
     variable_queries,
     write_rules_file,
 )
-from tests.services import JitneyProcess, RedisServer, free_port, start_worker, wait_for, wait_ready
+from tests.services import JitneyProcess, RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
-WORKERS = ("obs-w1", "obs-w2")
+WORKERS = 2
 MAX_NUM_SEQS = 4  # small, so the load fills every batch and queues up in the stream
 CLIENTS = 3 * MAX_NUM_SEQS
 RATE_WINDOW = "4s"  # Grafana's $__rate_interval at a 1 s scrape interval: 4 × 1 s
@@ -51,6 +54,7 @@ class Live:
     start: float  # unix seconds: just before the first request
     end: float  # after the last request ended and Prometheus scraped the final counters
     served: dict[str, Any]  # `bench serve`'s report of the burst
+    workers: list[str]  # the worker ids `jitney up` started (hostname-pid)
     rules_error: str | None  # why the alert rules were not loaded into Prometheus
 
 
@@ -82,17 +86,34 @@ def scalar(api: Prometheus, expr: str) -> float:
     return float(result[0]["value"][1]) if result else math.nan
 
 
+def free_port_pair() -> int:
+    """A free port whose successor is free too: `jitney up` gives worker i metrics port + i."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
+                return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     server = RedisServer().start()
-    workers = [
-        start_worker(server, w, "--max-num-seqs", str(MAX_NUM_SEQS), "--idle-block-ms", "200")
-        for w in WORKERS
-    ]
-    port = free_port()
-    gateway = JitneyProcess(
-        ["gateway", "--host", "127.0.0.1", "--port", str(port)], {"REDIS_URL": server.url},
-        name="obs-gateway",
+    port, metrics_port = free_port(), free_port_pair()
+    worker_ports = [metrics_port + i for i in range(WORKERS)]
+    up = JitneyProcess(
+        ["up", "--workers", str(WORKERS), "--model", "tiny-random", "--port", str(port),
+         "--metrics-port", str(metrics_port), "--max-num-seqs", str(MAX_NUM_SEQS),
+         "--kv-cache-memory", "16MiB"],
+        {"REDIS_URL": server.url, "OMP_NUM_THREADS": "1"}, name="obs-up",
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     # The rules are loaded when they pass promtool; if not, only the rules test fails (below).
@@ -100,22 +121,23 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     prometheus = PrometheusServer(
         {
             "jitney-gateway": [f"127.0.0.1:{port}"],
-            "jitney-worker": [f"127.0.0.1:{w.metrics_port}" for w in workers],
+            "jitney-worker": [f"127.0.0.1:{p}" for p in worker_ports],
         },
         rule_files=rules,
     )
     try:
         prometheus.start()
-        wait_ready(server.client(), *workers, timeout=120)
 
         def ready() -> bool:
-            assert gateway.alive(), gateway.output()
-            with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
-                return resp.status == 200
+            assert up.alive(), up.output()
+            urls = [f"{base}/ready", *(f"http://127.0.0.1:{p}/ready" for p in worker_ports)]
+            return all(answers(u) for u in urls)
 
-        wait_for(ready, 60, "gateway /ready")
+        wait_for(ready, 120, "jitney up: the gateway and both workers ready")
+        workers = sorted(w.decode() for w in server.client().zrange(Keys().workers, 0, -1))
+        assert len(workers) == WORKERS, workers
         api = prometheus.api()
-        wait_for(lambda: scalar(api, "sum(up)") == 3, 30, "prometheus scraping all 3 targets")
+        wait_for(lambda: scalar(api, "sum(up)") == 1 + WORKERS, 30, "prometheus scraping all")
         start = time.time()
         # Closed loop with more clients than the two workers have slots: every batch stays
         # full and the rest waits in the stream, whatever the speed of this machine.
@@ -128,12 +150,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             30,
             "prometheus to scrape the final token counts",
         )
-        yield Live(prometheus, api, start - 2, time.time() + 1, served, rules_error)
+        yield Live(prometheus, api, start - 2, time.time() + 1, served, workers, rules_error)
     finally:
         prometheus.close()
-        gateway.stop()
-        for w in workers:
-            w.proc.stop()
+        up.stop(signal.SIGTERM, timeout=90)
         server.close()
 
 
@@ -146,7 +166,7 @@ def test_every_panel_query_returns_data(live):
     one finite value over the burst (a NaN-only quantile or an empty result fails)."""
     selections = {
         "all": {"model": ".*", "worker": ".*"},
-        "one": {"model": "tiny-random", "worker": WORKERS[1]},
+        "one": {"model": "tiny-random", "worker": live.workers[1]},
     }
     empty = []
     exprs = panel_exprs(load_dashboard())
@@ -170,7 +190,7 @@ def test_variables_list_the_live_models_and_workers(live):
             end=str(live.end),
         )
         seen[name] = {s[label] for s in series}
-    assert seen == {"model": {"tiny-random"}, "worker": set(WORKERS)}
+    assert seen == {"model": {"tiny-random"}, "worker": set(live.workers)}
 
 
 def test_live_metric_names_match_the_registries(live):
@@ -221,14 +241,14 @@ def test_bench_report_draws_the_key_series(live, tmp_path: Path, capsys):
         for name, s in lines.items():
             assert s["points"] > 0 and math.isfinite(s["mean"]), (key, name)
     # The load overfills two workers of MAX_NUM_SEQS slots: full batches, never more.
-    for w in WORKERS:
+    for w in live.workers:
         assert MAX_NUM_SEQS - 1 < summary["batch_size"][f"mean {w}"]["max"] <= MAX_NUM_SEQS
         assert 0 < summary["kv_cache_usage"][w]["max"] <= 1
     # `running` is a gauge sampled once a second: a scrape may land between one request
     # finishing and the next being admitted, so the peak proves both workers ran at once
     # (more than one worker's slots) and never more than all slots, not an exact count.
     running_peak = summary["running_waiting"]["running"]["max"]
-    assert MAX_NUM_SEQS < running_peak <= len(WORKERS) * MAX_NUM_SEQS
+    assert MAX_NUM_SEQS < running_peak <= WORKERS * MAX_NUM_SEQS
     assert summary["running_waiting"]["queue lag (in the stream)"]["max"] > 0
     assert all(s["max"] > 0 for s in summary["output_tokens"].values())
     delays = summary["queue_delay"]

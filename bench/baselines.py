@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from bench.trace import TraceRequest, percentile
-from worker.model_loader import LoadedModel
+from engine.model_loader import LoadedModel
 
 HF_GENERATE = "hf-generate"
 HF_CB = "hf-cb"

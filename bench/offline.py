@@ -16,10 +16,10 @@ from typing import Any
 
 from bench.baselines import HF_CB, HF_GENERATE, RunResult, best_hf_cb, run_hf_generate
 from bench.trace import TraceRequest
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.model_loader import LoadedModel
-from worker.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import Engine
+from engine.model_loader import LoadedModel
+from engine.sampling import SamplingParams
 
 BASELINES = (HF_GENERATE, HF_CB)
 

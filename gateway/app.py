@@ -34,7 +34,7 @@ from gateway.errors import ApiError, internal_error, redis_unavailable
 from gateway.generate import GATEWAY, chat_completions, completions
 from gateway.ratelimit import RATE_LIMITER, RateLimiter, rate_limit_middleware
 from gateway.service import Gateway
-from jitney.protocol import HEARTBEAT_TTL_S
+from protocol import HEARTBEAT_TTL_S
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -276,9 +276,11 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             await runner.setup()
             await web.TCPSite(runner, config.host, port).start()
         log.info(
-            "listening on %s:%d%s", config.host, config.port,
+            "listening on %s:%d%s",
+            config.host,
+            config.port,
             "" if config.metrics_port is None else f" (metrics on :{config.metrics_port})",
-        )  # fmt: skip
+        )
         await stop.wait()
         await drain(app[GATEWAY])
     finally:
@@ -292,8 +294,9 @@ async def drain(gw: Gateway) -> None:
     gw.draining = True
     deadline = time.monotonic() + gw.config.shutdown_timeout_s
     if gw.active_requests:
-        log.info("draining in_flight=%d timeout_s=%g", gw.active_requests,
-                 gw.config.shutdown_timeout_s)  # fmt: skip
+        log.info(
+            "draining in_flight=%d timeout_s=%g", gw.active_requests, gw.config.shutdown_timeout_s
+        )
     while gw.active_requests and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if gw.active_requests:

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.errors import ApiError
-from jitney.protocol import WORKER_GROUP, Keys, RequestMessage
+from protocol import WORKER_GROUP, Keys, RequestMessage
 
 # Resets the queued-token counter to 0 if the group's lag is 0 (nothing queued), so a counter a
 # crashed worker left too high heals the next time the queue drains. KEYS: stream, counter.

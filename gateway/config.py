@@ -11,7 +11,7 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from jitney.protocol import redis_url
+from protocol import redis_url
 
 MiB = 1024 * 1024
 # aiohttp's parser limits, stated here so they are ours: a longer header line or request line,

@@ -26,7 +26,7 @@ from gateway.replies import InFlight
 from gateway.responses import DONE, KEEPALIVE, Kind, Responder, sse, usage
 from gateway.schema import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
 from gateway.service import Gateway
-from jitney.protocol import ReplyMessage, RequestMessage, SamplingFields
+from protocol import ReplyMessage, RequestMessage, SamplingFields
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 NORMAL_FINISH = frozenset({"stop", "length"})

@@ -27,8 +27,8 @@ from transformers import PreTrainedTokenizerFast
 
 from gateway.errors import ApiError, bad_request, model_not_found
 from gateway.tasks import cancel_and_wait
-from jitney.model_card import tokenizer_from_card
-from jitney.protocol import HEARTBEAT_TTL_S, Keys, ModelCard
+from protocol import HEARTBEAT_TTL_S, Keys, ModelCard
+from protocol.model_card import tokenizer_from_card
 
 log = logging.getLogger(__name__)
 

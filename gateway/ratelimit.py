@@ -22,7 +22,7 @@ from aiohttp.typedefs import Middleware
 from gateway.auth import CLIENT, Client
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import GatewayMetrics
-from jitney.protocol import Keys
+from protocol import Keys
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LIMITED_PREFIX = "/v1/"

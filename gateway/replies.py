@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.tasks import cancel_and_wait
-from jitney.protocol import ProtocolError, ReplyMessage
+from protocol import ProtocolError, ReplyMessage
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,11 @@ class ReplyRouter:
             if not entry.started and entry.request_id in self._in_flight:
                 log.warning("request lost in a redis outage request_id=%s", entry.request_id)
                 lost = ReplyMessage(
-                    entry.request_id, entry.next_seq, finish_reason="abort",
+                    entry.request_id,
+                    entry.next_seq,
+                    finish_reason="abort",
                     error="The request was lost while the queue (Redis) restarted; retry.",
-                )  # fmt: skip
+                )
                 self._deliver(entry, lost)
 
     def dispatch(self, fields: dict[bytes, bytes]) -> None:

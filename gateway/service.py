@@ -26,14 +26,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.replies import ReplyRouter
 from gateway.tasks import cancel_and_wait
-from jitney.protocol import (
+from protocol import (
     CANCEL_FLAG_TTL_S,
     CANCEL_STREAM_MAXLEN,
     HEARTBEAT_INTERVAL_S,
     CancelMessage,
     Keys,
 )
-from jitney.redis_client import async_client
+from protocol.redis_client import async_client
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,11 @@ class Gateway:
         )
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jitney-tokenizer")
         self.registry = ModelRegistry(
-            self.redis, self.keys, self.tokenizer_thread,
+            self.redis,
+            self.keys,
+            self.tokenizer_thread,
             require_workers=not config.queue_without_workers,
-        )  # fmt: skip
+        )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self.draining = False  # stopping: no new requests, open ones finish

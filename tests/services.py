@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from jitney.protocol import Keys
+from protocol import Keys
 
 
 def free_port() -> int:
@@ -153,8 +153,18 @@ def start_worker(
     env: dict[str, str] | None = None,
 ) -> Worker:
     port = free_port()
-    args = ["worker", "--model", model, "--kv-cache-memory", "16MiB", "--metrics-port", str(port),
-            "--worker-id", worker_id, *flags]  # fmt: skip
+    args = [
+        "worker",
+        "--model",
+        model,
+        "--kv-cache-memory",
+        "16MiB",
+        "--metrics-port",
+        str(port),
+        "--worker-id",
+        worker_id,
+        *flags,
+    ]
     # One torch thread each: several workers and the test share two cores.
     full_env = {"REDIS_URL": server.url, "OMP_NUM_THREADS": "1", **(env or {})}
     return Worker(JitneyProcess(args, full_env, name=worker_id), worker_id, port)

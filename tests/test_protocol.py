@@ -2,8 +2,8 @@
 
 import pytest
 
-from jitney.model_card import card_from_tokenizer, tokenizer_from_card
-from jitney.protocol import (
+from engine.tiny_model import build_tiny_tokenizer
+from protocol import (
     CancelMessage,
     Keys,
     ModelCard,
@@ -11,7 +11,7 @@ from jitney.protocol import (
     ReplyMessage,
     RequestMessage,
 )
-from worker.tiny_model import build_tiny_tokenizer
+from protocol.model_card import card_from_tokenizer, tokenizer_from_card
 
 
 def test_messages_round_trip_through_stream_fields():
@@ -77,7 +77,7 @@ def test_model_card_rebuilds_the_same_tokenizer():
 
 def test_redis_url_is_redacted_for_logs():
     """A password in REDIS_URL never reaches a log line."""
-    from jitney.protocol import redacted
+    from protocol import redacted
 
     assert redacted("rediss://:s3cret@redis.example:6380/0") == "rediss://redis.example:6380/0"
     assert redacted("redis://user:pw@localhost/1") == "redis://localhost/1"

@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from worker.engine import Engine
+from engine.llm_engine import Engine
 
 ENV = "JITNEY_FAILPOINTS"
 

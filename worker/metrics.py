@@ -29,12 +29,74 @@ from scheduler import SchedulerStats
 from worker.vllm_metrics import served_registry
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)  # fmt: skip
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -111,9 +173,11 @@ class WorkerMetrics:
         for event in HANDOFF_EVENTS:  # exported as 0 from the start: rate() and alerts see them
             self._handoffs.labels(**self._labels, event=event)
         self._steps = Counter(
-            "jitney_steps", "Engine steps by the limit that bound them", (*LABELS, "limit"),
+            "jitney_steps",
+            "Engine steps by the limit that bound them",
+            (*LABELS, "limit"),
             registry=r,
-        )  # fmt: skip
+        )
         # The scheduler's counters are running totals; the exporter adds their increments.
         self._last_totals = (0, 0, 0, 0)
         # /ready answers this (the service sets it: joined and not stopping).
@@ -138,8 +202,9 @@ class WorkerMetrics:
                 return [b"ok\n"]
             if path == "/ready":
                 ok = self.ready()
-                start_response("200 OK" if ok else "503 Service Unavailable",
-                               [("Content-Type", "text/plain")])  # fmt: skip
+                start_response(
+                    "200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")]
+                )
                 return [b"ready\n" if ok else b"not ready\n"]
             return metrics_app(environ, start_response)
 

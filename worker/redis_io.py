@@ -1,7 +1,7 @@
 """The worker's Redis calls, one method per round trip, so the engine loop reads as steps.
 
 Pure I/O: decoding, validation and logging are the service's. Every key comes from
-`jitney.protocol.Keys`. Methods raise redis' ConnectionError/TimeoutError; the loop retries.
+`protocol.Keys`. Methods raise redis' ConnectionError/TimeoutError; the loop retries.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from jitney.protocol import (
+from protocol import (
     DEAD_LETTER_MAXLEN,
     FENCE_TTL_S,
     PROGRESS_TTL_S,
@@ -24,7 +24,7 @@ from jitney.protocol import (
     ModelCard,
     ReplyMessage,
 )
-from jitney.redis_client import sync_client
+from protocol.redis_client import sync_client
 
 # A blocking read must return before the socket times out (redis-py raises TimeoutError then).
 SOCKET_TIMEOUT_MARGIN_S = 5.0
@@ -196,9 +196,16 @@ class WorkerRedis:
         pipe = self.client.pipeline(transaction=False)
         for retry, ids in counts.items():
             # JUSTID leaves the count alone unless RETRYCOUNT sets it.
-            pipe.xclaim(self.keys.requests, WORKER_GROUP, RELEASED_CONSUMER, 0, ids,
-                        idle=RELEASED_IDLE_MS, retrycount=retry if retry >= 0 else None,
-                        justid=True)  # fmt: skip
+            pipe.xclaim(
+                self.keys.requests,
+                WORKER_GROUP,
+                RELEASED_CONSUMER,
+                0,
+                ids,
+                idle=RELEASED_IDLE_MS,
+                retrycount=retry if retry >= 0 else None,
+                justid=True,
+            )
         pipe.execute()
         return len(entry_ids)
 
@@ -249,9 +256,16 @@ class WorkerRedis:
         args: list[str | int] = [WORKER_GROUP, REPLY_STREAM_MAXLEN, PROGRESS_TTL_S]
         for stream, reply in outbox.replies:
             fields = reply.encode()
-            args += ["R", stream, int(stream in outbox.gone_streams), fields["v"], fields["m"],
-                     int(reply.is_final), self.keys.progress(reply.request_id),
-                     json.dumps(reply.token_ids)]  # fmt: skip
+            args += [
+                "R",
+                stream,
+                int(stream in outbox.gone_streams),
+                fields["v"],
+                fields["m"],
+                int(reply.is_final),
+                self.keys.progress(reply.request_id),
+                json.dumps(reply.token_ids),
+            ]
         for entry_id in outbox.acks:
             args += ["A", entry_id]
         fence = self.keys.fenced(self.worker_id)
@@ -289,8 +303,9 @@ class WorkerRedis:
         """Up to `count` of each consumer's pending entries, oldest first."""
         pipe = self.client.pipeline(transaction=False)
         for consumer in consumers:
-            pipe.xpending_range(self.keys.requests, WORKER_GROUP, "-", "+", count,
-                                consumername=consumer)  # fmt: skip
+            pipe.xpending_range(
+                self.keys.requests, WORKER_GROUP, "-", "+", count, consumername=consumer
+            )
         found = [
             Orphan(_text(p["message_id"]), consumer, int(p["times_delivered"]))
             for consumer, pending in zip(consumers, pipe.execute(), strict=True)
@@ -304,8 +319,13 @@ class WorkerRedis:
         if not orphans:
             return []
         times = {o.entry_id: o.times_delivered for o in orphans}
-        got = self.client.xclaim(self.keys.requests, WORKER_GROUP, self.worker_id, min_idle_ms,
-                                 [o.entry_id for o in orphans])  # fmt: skip
+        got = self.client.xclaim(
+            self.keys.requests,
+            WORKER_GROUP,
+            self.worker_id,
+            min_idle_ms,
+            [o.entry_id for o in orphans],
+        )
         entries = [Entry(_text(i), fields) for i, fields in got if fields]
         gone = [_text(i) for i, fields in got if not fields]  # deleted: nothing to serve
         if gone:
@@ -335,8 +355,9 @@ class WorkerRedis:
         """Dead consumers with nothing pending (worker ids are per process: they add up)."""
         for consumer in consumers:
             # Only with nothing pending: DELCONSUMER drops a consumer's pending entries.
-            pending = self.client.xpending_range(self.keys.requests, WORKER_GROUP, "-", "+", 1,
-                                                 consumername=consumer)  # fmt: skip
+            pending = self.client.xpending_range(
+                self.keys.requests, WORKER_GROUP, "-", "+", 1, consumername=consumer
+            )
             if not pending:
                 self.client.xgroup_delconsumer(self.keys.requests, WORKER_GROUP, consumer)
 

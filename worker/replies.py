@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jitney.protocol import ReplyMessage
-from worker.engine import RequestOutput
+from engine.llm_engine import RequestOutput
+from protocol import ReplyMessage
 from worker.metrics import WorkerMetrics
 from worker.redis_io import Outbox
 
@@ -126,8 +126,9 @@ class ReplyBook:
         error_type: str | None = None,
     ) -> None:
         """End a request that never reached the engine: its only reply is the final one."""
-        self._send(request_id, request, [], "", finish_reason=reason, error=error,
-                   error_type=error_type)  # fmt: skip
+        self._send(
+            request_id, request, [], "", finish_reason=reason, error=error, error_type=error_type
+        )
         self.outbox.acks.append(request.entry_id)
         self.metrics.finished(reason, 0, None)
         logger.debug("request_dropped %s", kv(request=request_id, reason=reason))

@@ -27,19 +27,19 @@ from dataclasses import dataclass, field
 
 import redis
 
-from jitney.protocol import (
+from engine.llm_engine import Engine
+from engine.sampling import SamplingParams
+from protocol import (
     HEARTBEAT_INTERVAL_S,
     CancelMessage,
     ModelCard,
     ProtocolError,
     RequestMessage,
 )
-from worker.engine import Engine
 from worker.failpoints import Failpoints
 from worker.metrics import WorkerMetrics
 from worker.redis_io import Claimed, Entry, WorkerRedis
 from worker.replies import ReplyBook, TrackedRequest, kv
-from worker.sampling import SamplingParams
 from worker.takeover import Takeover
 
 logger = logging.getLogger("jitney.worker")
@@ -389,9 +389,13 @@ class WorkerService:
             if self.takeover.is_poison(c):
                 reason = f"failed on {c.deliveries - 1} deliveries"
                 self.io.dead_letter(c.entry, reason)
-                book.reject(msg.request_id, request, "error",
-                            f"The request could not be served ({reason}); it was dead-lettered.",
-                            "server_error")  # fmt: skip
+                book.reject(
+                    msg.request_id,
+                    request,
+                    "error",
+                    f"The request could not be served ({reason}); it was dead-lettered.",
+                    "server_error",
+                )
                 self.metrics.handoff("dead_lettered")
                 logger.error("dead_lettered %s", kv(request=msg.request_id, reason=reason))
             elif not self._dropped_before_start(msg, request):
@@ -400,9 +404,12 @@ class WorkerService:
                 self.metrics.handoff("taken_over")
                 logger.warning(
                     "taken_over %s",
-                    kv(request=msg.request_id, delivered_tokens=len(delivered),
-                       deliveries=c.deliveries),
-                )  # fmt: skip
+                    kv(
+                        request=msg.request_id,
+                        delivered_tokens=len(delivered),
+                        deliveries=c.deliveries,
+                    ),
+                )
 
     def _decode(self, entry: Entry) -> RequestMessage:
         msg = RequestMessage.decode(entry.fields)
@@ -423,8 +430,9 @@ class WorkerService:
         e = self.engine
         try:
             params = self._sampling_params(msg)
-            e.add_request(msg.request_id, msg.prompt_token_ids, params, request.enqueue_time,
-                          delivered)  # fmt: skip
+            e.add_request(
+                msg.request_id, msg.prompt_token_ids, params, request.enqueue_time, delivered
+            )
         except (ValueError, TypeError) as err:  # too long, infeasible, bad fields
             self.book.reject(msg.request_id, request, "error", str(err), INVALID_REQUEST)
             return
@@ -481,8 +489,9 @@ class WorkerService:
         keeps failing is dead-lettered by whoever takes it next."""
         s = self.state
         s.step_failures += 1
-        logger.exception("step_failed %s", kv(in_flight=len(self.book.tracked),
-                                              consecutive=s.step_failures))  # fmt: skip
+        logger.exception(
+            "step_failed %s", kv(in_flight=len(self.book.tracked), consecutive=s.step_failures)
+        )
         self._hand_back(graceful=False)
         if s.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise StepFailuresExceeded(f"{s.step_failures} steps failed in a row")

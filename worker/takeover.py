@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from jitney.protocol import HEARTBEAT_TTL_S, MAX_DELIVERIES, RELEASED_CONSUMER
+from protocol import HEARTBEAT_TTL_S, MAX_DELIVERIES, RELEASED_CONSUMER
 from worker.redis_io import Claimed, Orphan, WorkerRedis
 
 SCAN_INTERVAL_S = 0.5

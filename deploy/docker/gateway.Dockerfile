@@ -9,8 +9,10 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY jitney ./jitney
+COPY protocol ./protocol
 COPY gateway ./gateway
 COPY scheduler ./scheduler
+COPY engine ./engine
 COPY worker ./worker
 COPY bench ./bench
 # The project's own dependencies, read from pyproject.toml (one list), minus the model side:

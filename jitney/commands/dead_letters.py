@@ -11,8 +11,8 @@ import argparse
 import json
 import time
 
-from jitney.protocol import Keys, ProtocolError, RequestMessage, redacted, redis_url
-from jitney.redis_client import sync_client
+from protocol import Keys, ProtocolError, RequestMessage, redacted, redis_url
+from protocol.redis_client import sync_client
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,9 @@ def _row(entry_id: str, fields: dict[bytes, bytes]) -> str:
     try:
         msg = RequestMessage.decode(fields)
         max_tokens = json.dumps(msg.sampling.get("max_tokens"))
-        return (f"{when:20} {msg.request_id:38} {msg.model:16} {len(msg.prompt_token_ids):>6} "
-                f"{max_tokens:>5}  {reason}")  # fmt: skip
+        return (
+            f"{when:20} {msg.request_id:38} {msg.model:16} {len(msg.prompt_token_ids):>6} "
+            f"{max_tokens:>5}  {reason}"
+        )
     except (ProtocolError, AttributeError, TypeError):
         return f"{when:20} {'(unreadable entry)':38} {'':16} {'':>6} {'':>5}  {reason}"

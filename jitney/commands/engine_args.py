@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from scheduler import POLICIES
 
 if TYPE_CHECKING:
-    from worker.config import EngineConfig
+    from engine.config import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
-    from worker.config import EngineConfig  # imported late: torch loads only when needed
+    from engine.config import EngineConfig  # imported late: torch loads only when needed
 
     fields = dict(
         model=args.model,

@@ -15,7 +15,7 @@ from gateway.config import (
     default_gateway_id,
     parse_api_keys,
 )
-from jitney.protocol import redis_url
+from protocol import redis_url
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
         limits = config.rate_limits
         log.info(
             "rate limits per %s: rps=%g burst=%d tpm=%d",
-            "API key" if api_keys else "client IP", limits.rps, limits.burst, limits.tpm,
-        )  # fmt: skip
+            "API key" if api_keys else "client IP",
+            limits.rps,
+            limits.burst,
+            limits.tpm,
+        )
     run_gateway(config)
     return 0

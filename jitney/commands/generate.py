@@ -22,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.engine import Engine
-    from worker.sampling import SamplingParams
+    from engine.llm_engine import Engine
+    from engine.sampling import SamplingParams
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

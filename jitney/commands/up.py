@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
-from jitney.protocol import redacted, redis_url
+from protocol import redacted, redis_url
 
 READY_TIMEOUT_S = 600  # the first start may convert the bundled GGUF model (about a minute)
 # A part that dies this many times within CRASH_WINDOW_S is crash-looping: stop everything.
@@ -132,8 +132,12 @@ class Part:
         self.crashes = [t for t in self.crashes if now - t < CRASH_WINDOW_S] + [now]
         print(f"{self.name} exited with {self.proc.returncode}", file=sys.stderr, flush=True)
         if len(self.crashes) > MAX_RESTARTS:
-            print(f"{self.name} keeps dying ({len(self.crashes)} times in "
-                  f"{CRASH_WINDOW_S:g} s); stopping", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{self.name} keeps dying ({len(self.crashes)} times in "
+                f"{CRASH_WINDOW_S:g} s); stopping",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
         self.start()
         print(f"restarted {self.name}", flush=True)
@@ -206,10 +210,18 @@ def _run(args: argparse.Namespace) -> int:
         env = {k: v for k, v in os.environ.items() if k not in own}
         env |= {"REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
         workers = [
-            Part(f"worker-{i}", ["worker", *engine_args_to_argv(args),
-                                 "--metrics-port", str(args.metrics_port + i)], env)
+            Part(
+                f"worker-{i}",
+                [
+                    "worker",
+                    *engine_args_to_argv(args),
+                    "--metrics-port",
+                    str(args.metrics_port + i),
+                ],
+                env,
+            )
             for i in range(args.workers)
-        ]  # fmt: skip
+        ]
         gateway = Part("gateway", ["gateway", "--host", args.host, "--port", str(args.port)], env)
         parts = stack.enter_context(running([*workers, gateway]))
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host

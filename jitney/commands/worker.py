@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
     # Our own events at the chosen level; libraries (redis-py, transformers) only warn.
     logging.getLogger("jitney").setLevel(args.log_level.upper())
-    from jitney.model_card import card_from_tokenizer
-    from jitney.protocol import Keys, redacted, redis_url
-    from worker.engine import Engine
+    from engine.llm_engine import Engine
+    from protocol import Keys, redacted, redis_url
+    from protocol.model_card import card_from_tokenizer
     from worker.failpoints import Failpoints
     from worker.metrics import WorkerMetrics
     from worker.redis_io import WorkerRedis

@@ -98,7 +98,8 @@ class ContinuousBatching(BatchingPolicy):
         self.stats.num_preemptions_total += 1
         self.stats.num_preempted_tokens_total += lost
         # Which request paid, and how much: users cannot otherwise tell why one request was slow.
-        logger.info("preempted request=%s lost_tokens=%d times=%d", seq.seq_id, lost,
-                    seq.num_preemptions)  # fmt: skip
+        logger.info(
+            "preempted request=%s lost_tokens=%d times=%d", seq.seq_id, lost, seq.num_preemptions
+        )
         self.waiting.appendleft(seq)
         plan.preempted_seq_ids.append(seq.seq_id)

@@ -101,8 +101,15 @@ class Nginx:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def start(self) -> Nginx:
-        args = [self.binary, "-p", str(self.dir), "-c", str(self.conf),
-                "-e", str(self.dir / "error.log")]  # fmt: skip
+        args = [
+            self.binary,
+            "-p",
+            str(self.dir),
+            "-c",
+            str(self.conf),
+            "-e",
+            str(self.dir / "error.log"),
+        ]
         check = subprocess.run([*args, "-t"], capture_output=True, text=True)
         assert check.returncode == 0, f"nginx -t failed:\n{check.stderr}\n{self.conf.read_text()}"
         self.proc = subprocess.Popen(
@@ -140,7 +147,7 @@ def write_slow_model(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.tiny_model import build_tiny_tokenizer
+    from engine.tiny_model import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(

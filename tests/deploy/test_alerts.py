@@ -142,7 +142,10 @@ def test_alert_rules_fire_when_they_should(tmp_path: Path) -> None:
     tested = {check["alertname"] for t in TESTS for check in t["alert_rule_test"]}
     assert tested == {r["alert"] for r in _rules() if "alert" in r}, "an alert has no test"
     result = subprocess.run(
-        [promtool(), "test", "rules", tests.name], cwd=tmp_path, capture_output=True, text=True,
+        [promtool(), "test", "rules", tests.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         timeout=60,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -200,8 +200,10 @@ def test_healthcheck_script(http_server: int) -> None:
     def check(port_env: str, default: str, path: str, env: dict[str, str]) -> int:
         return subprocess.run(
             [sys.executable, str(script), port_env, default, path],
-            env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, timeout=20,
-        ).returncode  # fmt: skip
+            env={"PATH": "/usr/bin:/bin", **env},
+            capture_output=True,
+            timeout=20,
+        ).returncode
 
     port = str(http_server)
     assert check("JITNEY_PORT", port, "/health", {}) == 0  # default port
@@ -304,8 +306,9 @@ def test_compose_nginx_balances_the_gateways(compose: dict, tmp_path: Path) -> N
     try:
         result = subprocess.run(
             [lb.binary, "-t", "-p", str(lb.dir), "-c", str(lb.conf), "-e", str(lb.dir / "e.log")],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+        )
         assert result.returncode == 0, result.stderr
     finally:
         lb.close()

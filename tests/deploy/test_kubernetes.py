@@ -17,8 +17,8 @@ import redis
 import yaml
 
 from jitney.cli import build_parser
-from jitney.protocol import WORKER_GROUP, Keys
-from jitney.redis_client import sentinel_target
+from protocol import WORKER_GROUP, Keys
+from protocol.redis_client import sentinel_target
 from tests.deploy.manifests import (
     K8S,
     KUSTOMIZE_ARGS,
@@ -37,8 +37,13 @@ from tests.services import free_port, wait_for
 
 OVERLAYS = ["cpu", "gpu"]
 # Each entry: components applied together, in order.
-COMPONENTS = ["external-redis", "model-pvc", "worker-hpa", "scale-to-zero",
-              "external-redis+sentinel"]  # fmt: skip
+COMPONENTS = [
+    "external-redis",
+    "model-pvc",
+    "worker-hpa",
+    "scale-to-zero",
+    "external-redis+sentinel",
+]
 # After --shutdown-timeout the worker keeps trying to deliver its last replies this long.
 WORKER_PUBLISH_GRACE_S = 5
 ALERT_TOPICS = {  # what the issue asks to alert on -> metric each alert must read
@@ -59,8 +64,16 @@ def built() -> dict[str, list[Manifest]]:
 def test_overlay_builds_and_every_manifest_validates(built, overlay):
     docs = built[overlay]
     kinds = {d["kind"] for d in docs}
-    assert {"StatefulSet", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-            "ScaledObject", "PodMonitor", "PrometheusRule", "NetworkPolicy"} <= kinds  # fmt: skip
+    assert {
+        "StatefulSet",
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "ScaledObject",
+        "PodMonitor",
+        "PrometheusRule",
+        "NetworkPolicy",
+    } <= kinds
     for doc in docs:
         validate(doc)
         assert doc["metadata"].get("namespace", "jitney") == "jitney"
@@ -96,8 +109,12 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
         validate(doc)
     worker = container(find(docs, "Deployment", "jitney-worker"), "worker")
     if component == "external-redis":
-        assert not [d for d in docs if d["metadata"]["name"].startswith("jitney-redis")
-                    and d["kind"] in {"StatefulSet", "Service", "NetworkPolicy"}]  # fmt: skip
+        assert not [
+            d
+            for d in docs
+            if d["metadata"]["name"].startswith("jitney-redis")
+            and d["kind"] in {"StatefulSet", "Service", "NetworkPolicy"}
+        ]
         gateway = container(find(docs, "Deployment", "jitney-gateway"), "gateway")
         for c in (gateway, worker):
             assert env(c)["REDIS_ADDRESS"] != "jitney-redis:6379"
@@ -289,10 +306,21 @@ def test_redis_statefulset_runs_the_shipped_config_with_aof_and_password(built, 
     assert binary, "redis-server not found: `make install` installs it"
     # The shipped config, with only the data directory and port moved here.
     proc = subprocess.Popen(
-        [binary, str(tmp_path / "redis.conf"), "--dir", str(tmp_path), "--port", str(port),
-         "--bind", "127.0.0.1", "--requirepass", "s3cret"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            binary,
+            str(tmp_path / "redis.conf"),
+            "--dir",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--requirepass",
+            "s3cret",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         client = redis.Redis(port=port, password="s3cret", socket_timeout=2)
         wait_for(client.ping, 10, "redis-server with the shipped redis.conf")

@@ -90,8 +90,14 @@ async def stream(
 ) -> StreamResult:
     """A streamed completion through the balancer, recorded into `result` chunk by chunk."""
     result = result or StreamResult()
-    body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "tell me a long story",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     try:
         async with session.post(f"{base}/v1/completions", json=body) as resp:
             result.upstream = resp.headers.get("X-Jitney-Upstream", "")

@@ -12,10 +12,11 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import PreTrainedTokenizerFast
 
+from engine.tiny_model import build_tiny_tokenizer
 from gateway.app import make_app
 from gateway.config import GatewayConfig
-from jitney.model_card import card_from_tokenizer
-from jitney.protocol import ModelCard
+from protocol import ModelCard
+from protocol.model_card import card_from_tokenizer
 from tests.gateway.helpers import (
     MAX_MODEL_LEN,
     MODEL,
@@ -25,7 +26,6 @@ from tests.gateway.helpers import (
     publish_card,
 )
 from tests.services import RedisServer
-from worker.tiny_model import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from jitney.protocol import (
+from protocol import (
     HEARTBEAT_INTERVAL_S,
     WORKER_GROUP,
     Keys,
@@ -245,8 +245,13 @@ class AnsweringWorker(KeepHeartbeat):
                 for _id, fields in entries:
                     request = RequestMessage.decode(fields)
                     final = ReplyMessage(
-                        request.request_id, 0, [10], "ok", finish_reason="stop",
-                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=1,
-                    )  # fmt: skip
+                        request.request_id,
+                        0,
+                        [10],
+                        "ok",
+                        finish_reason="stop",
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=1,
+                    )
                     self.redis.xadd(request.reply_to, final.encode())
                     self.answered += 1

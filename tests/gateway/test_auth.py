@@ -65,10 +65,15 @@ def assert_401(status: int, headers: dict[str, str], body: bytes, missing: bool)
 
 # (headers, reported as missing rather than invalid)
 WRONG = [
-    (auth(ALICE[:-1]), False), (auth(ALICE + "x"), False), (auth(ALICE.upper()), False),
-    (auth(f"{BOB},{ALICE}"), False), (auth(ALICE, "Basic"), True), ({"Authorization": ALICE}, True),
-    (auth(""), True), ({"X-Api-Key": ALICE}, True),
-]  # fmt: skip
+    (auth(ALICE[:-1]), False),
+    (auth(ALICE + "x"), False),
+    (auth(ALICE.upper()), False),
+    (auth(f"{BOB},{ALICE}"), False),
+    (auth(ALICE, "Basic"), True),
+    ({"Authorization": ALICE}, True),
+    (auth(""), True),
+    ({"X-Api-Key": ALICE}, True),
+]
 
 
 def test_every_route_but_health_and_ready_needs_a_key(gateway: LiveGateway) -> None:
@@ -78,9 +83,12 @@ def test_every_route_but_health_and_ready_needs_a_key(gateway: LiveGateway) -> N
     assert http(f"{base}/ready")[0] == 503  # no worker, but not a 401
     body = json.dumps({"prompt": "hi"}).encode()
     for method, path in [
-        ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-        ("GET", "/metrics"), ("GET", "/no/such/route"),
-    ]:  # fmt: skip
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/metrics"),
+        ("GET", "/no/such/route"),
+    ]:
         data = body if method == "POST" else None
         assert_401(*http(base + path, method, data), missing=True)
         for headers, missing in WRONG:

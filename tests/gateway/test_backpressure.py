@@ -7,7 +7,7 @@ import time
 
 import redis
 
-from jitney.protocol import WORKER_GROUP, ReplyMessage
+from protocol import WORKER_GROUP, ReplyMessage
 from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, assert_openai_error
 
 BODY = {"prompt": "hello", "stream": True}

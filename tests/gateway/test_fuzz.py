@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jitney.protocol import ModelCard
+from protocol import ModelCard
 from tests.gateway.helpers import (
     KEYS,
     AnsweringWorker,
@@ -79,22 +79,30 @@ random_json = st.recursive(
 )
 token_ids = st.lists(st.integers(-3, 300) | huge_int, max_size=12)
 prompt = st.one_of(
-    marked, unicode, st.just(""), token_ids, st.lists(marked, max_size=3),
+    marked,
+    unicode,
+    st.just(""),
+    token_ids,
+    st.lists(marked, max_size=3),
     st.text(min_size=100, max_size=400).map(lambda s: SECRET + s),  # over the context window
     random_json,
-)  # fmt: skip
+)
 number = st.one_of(st.none(), st.floats(-2, 3), st.integers(-3, 5), st.floats(), huge_int, marked)
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", SECRET])},
     optional={
         "content": st.one_of(
-            unicode, st.none(), st.integers(),
-            st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", SECRET]),
-                                            "text": unicode}), max_size=3),
+            unicode,
+            st.none(),
+            st.integers(),
+            st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", SECRET]), "text": unicode}),
+                max_size=3,
+            ),
         ),
         "name": unicode | st.integers(),
     },
-)  # fmt: skip
+)
 sampling: dict[str, st.SearchStrategy[Any]] = {
     "model": st.one_of(st.just("tiny"), marked, unicode, st.integers(), st.just("")),
     "max_tokens": st.one_of(st.integers(-2, 80), huge_int, st.floats(), marked, st.booleans()),
@@ -124,8 +132,9 @@ sampling: dict[str, st.SearchStrategy[Any]] = {
     SECRET: random_json,
 }
 completion = st.fixed_dictionaries({"prompt": prompt}, optional=sampling)
-chat = st.fixed_dictionaries({"messages": st.lists(message, max_size=4) | random_json},
-                             optional=sampling)  # fmt: skip
+chat = st.fixed_dictionaries(
+    {"messages": st.lists(message, max_size=4) | random_json}, optional=sampling
+)
 
 # Mostly good values, so the later checks (model lookup, context window, enqueueing) run too.
 good = {
@@ -141,9 +150,10 @@ good_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system"]), "content": unicode}
 )
 plausible = st.fixed_dictionaries({"prompt": unicode | token_ids}, optional=good) | (
-    st.fixed_dictionaries({"messages": st.lists(good_message, min_size=1, max_size=3)},
-                          optional=good)
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {"messages": st.lists(good_message, min_size=1, max_size=3)}, optional=good
+    )
+)
 
 
 def encode(obj: Any, ascii_only: bool) -> bytes:
@@ -202,9 +212,12 @@ def test_fuzzed_bodies_never_crash_and_never_enqueue_rejects(live: Live) -> None
     client = Client(live.gateway.port)
 
     @settings(
-        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
         suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    )
     @given(route=st.sampled_from(ROUTES), body=bodies)
     def send(route: str, body: bytes) -> None:
         status, raw = client.post(route, body)

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 from aiohttp.test_utils import TestClient
 
-from jitney.protocol import HEARTBEAT_TTL_S, ModelCard
+from protocol import HEARTBEAT_TTL_S, ModelCard
 from tests.gateway.helpers import (
     KEYS,
     MAX_MODEL_LEN,
@@ -79,9 +79,12 @@ async def test_gateway_heartbeats_itself(served: redis.Redis, make_client: MakeC
 
 
 async def test_redis_down_gives_503_then_recovers(
-    redis_server: RedisServer, served: redis.Redis, card: ModelCard, make_client: MakeClient,
+    redis_server: RedisServer,
+    served: redis.Redis,
+    card: ModelCard,
+    make_client: MakeClient,
     fake_worker: FakeWorker,
-) -> None:  # fmt: skip
+) -> None:
     """Redis stopped: 503s with an OpenAI body, fast; restarted: requests flow again."""
     client = await make_client()
     waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi"}))

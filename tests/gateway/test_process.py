@@ -13,7 +13,7 @@ import time
 import aiohttp
 import redis
 
-from jitney.protocol import ModelCard, ReplyMessage
+from protocol import ModelCard, ReplyMessage
 from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, heartbeat, publish_card
 from tests.services import JitneyProcess, RedisServer, free_port, wait_for
 
@@ -23,8 +23,8 @@ from tokenizers import Tokenizer, models
 from gateway.app import make_app
 from gateway.config import GatewayConfig
 from jitney.commands import gateway as command
-from jitney.model_card import tokenizer_from_card
-from jitney.protocol import ModelCard
+from protocol.model_card import tokenizer_from_card
+from protocol import ModelCard
 
 make_app(GatewayConfig())
 backend = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
@@ -41,9 +41,12 @@ print(bad)
 def test_gateway_never_imports_torch_or_worker() -> None:
     """The gateway stack, tokenizer and chat template included, loads without torch/worker."""
     result = subprocess.run(
-        [sys.executable, "-c", NO_TORCH_SCRIPT], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", NO_TORCH_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=os.getcwd(),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
 

@@ -35,8 +35,14 @@ def test_request_limit_is_shared_by_two_gateways_and_refills(redis_server: Redis
     """Burst 3 at 0.2 requests/s for alice, across two gateway processes on one Redis: the 4th
     request, on either gateway, is a 429 with Retry-After; bob's bucket is his own; after
     Retry-After seconds alice gets in again."""
-    flags = ("--api-keys", f"alice:{ALICE},bob:{BOB}", "--rate-limit-rps", "0.2",
-             "--rate-limit-burst", "3")  # fmt: skip
+    flags = (
+        "--api-keys",
+        f"alice:{ALICE},bob:{BOB}",
+        "--rate-limit-rps",
+        "0.2",
+        "--rate-limit-burst",
+        "3",
+    )
     a = start(redis_server, *flags, name="gateway-a")
     b = start(redis_server, *flags, name="gateway-b")
     try:
@@ -125,8 +131,9 @@ async def test_redis_down_is_503_not_500(
     redis_server: RedisServer, served: redis.Redis, make_client: MakeClient
 ) -> None:
     """The limiter cannot reach Redis: 503 with Retry-After, like every generation route."""
-    client = await make_client(rate_limits=RateLimits(rps=100), redis_timeout_s=0.5,
-                               reply_block_ms=200)  # fmt: skip
+    client = await make_client(
+        rate_limits=RateLimits(rps=100), redis_timeout_s=0.5, reply_block_ms=200
+    )
     assert (await client.get("/v1/models")).status == 200
     redis_server.stop()
     for route in ("/v1/models", "/v1/completions"):

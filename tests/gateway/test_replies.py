@@ -11,7 +11,7 @@ import redis
 from aiohttp.test_utils import TestClient
 from transformers import PreTrainedTokenizerFast
 
-from jitney.protocol import CancelMessage, ReplyMessage
+from protocol import CancelMessage, ReplyMessage
 from tests.gateway.helpers import (
     KEYS,
     MODEL,
@@ -41,9 +41,16 @@ async def test_enqueued_chat_request_has_template_ids_and_sampling(
     """Chat: prompt ids equal the tokenizer's own chat template ids; sampling fields travel."""
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo"}]
     body = {
-        "model": MODEL, "messages": messages, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
-        "top_k": 20, "seed": 42, "stop": "\n", "ignore_eos": True,
-    }  # fmt: skip
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 20,
+        "seed": 42,
+        "stop": "\n",
+        "ignore_eos": True,
+    }
     call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     request = await fake_worker.take()
     expected = tokenizer.apply_chat_template(
@@ -66,9 +73,11 @@ async def test_enqueued_chat_request_has_template_ids_and_sampling(
     assert out["choices"][0]["finish_reason"] == "stop"
     n = len(expected)
     assert out["usage"] == {
-        "prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2,
+        "prompt_tokens": n,
+        "completion_tokens": 2,
+        "total_tokens": n + 2,
         "prompt_tokens_details": {"cached_tokens": 0},
-    }  # fmt: skip
+    }
 
 
 async def test_completion_defaults_and_token_id_prompt(
@@ -97,9 +106,10 @@ async def test_chat_stream_chunks_drop_duplicates_and_report_usage(
 ) -> None:
     """SSE: role first, one content chunk per delta (duplicate seq dropped), finish, usage, DONE."""
     body = {
-        "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
         "stream_options": {"include_usage": True},
-    }  # fmt: skip
+    }
     call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     request = await fake_worker.take()
     rid = request.request_id
@@ -148,7 +158,7 @@ async def test_worker_errors_map_to_http_errors(client: Client, fake_worker: Fak
         (ReplyMessage("", 0, finish_reason="error", error="boom", error_type="server_error"), 500),
         (ReplyMessage("", 0, finish_reason="abort"), 503),
         (ReplyMessage("", 0, finish_reason="expired"), 504),
-    ]  # fmt: skip
+    ]
     for final, status in cases:
         call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
         request = await fake_worker.take()

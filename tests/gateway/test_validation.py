@@ -53,8 +53,11 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, {"prompt": SECRET, "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": SECRET, "stream": SECRET}, "stream"),
     (COMPLETIONS, {"prompt": SECRET, "stream_options": {"include_usage": True}}, "stream_options"),
-    (COMPLETIONS, {"prompt": SECRET, "stream": True, "stream_options": {"include_usage": SECRET}},
-     "stream_options.include_usage"),
+    (
+        COMPLETIONS,
+        {"prompt": SECRET, "stream": True, "stream_options": {"include_usage": SECRET}},
+        "stream_options.include_usage",
+    ),
     (COMPLETIONS, {"prompt": SECRET, "model": 5}, "model"),
     (CHAT, {"model": "tiny"}, "messages"),
     (CHAT, {"messages": []}, "messages"),
@@ -72,12 +75,21 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, b'{"prompt": "' + SECRET.encode() + b'\\ud800"}', "prompt"),  # escaped one
     (COMPLETIONS, b'{"prompt": "x", "model": "\\udc00' + SECRET.encode() + b'"}', "model"),
     (COMPLETIONS, b'{"prompt": "x", "stop": ["\\ud800' + SECRET.encode() + b'"]}', "stop"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d' + SECRET.encode() + b'"}]}',
-     "messages[0].content"),
-    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
-     "messages[0].content"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "x", "name": "\\udfff"}]}',
-     "messages[0].name"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\ud83d' + SECRET.encode() + b'"}]}',
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x", "name": "\\udfff"}]}',
+        "messages[0].name",
+    ),
     (COMPLETIONS, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),  # > 4300 digits
     (COMPLETIONS, b'{"prompt": "x", "temperature": 1e999}', "temperature"),  # parses as inf
     (COMPLETIONS, {"prompt": SECRET, "temperature": -0.5}, "temperature"),
@@ -92,7 +104,7 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, {"prompt": SECRET, "model": SECRET * 30}, "model"),  # over 256 characters
     (COMPLETIONS, {"prompt": [[]]}, "prompt"),
     (COMPLETIONS, b"", None),
-]  # fmt: skip
+]
 
 
 async def post(client: Client, route: str, body: Any) -> tuple[int, dict[str, Any], str]:

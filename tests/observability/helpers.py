@@ -87,8 +87,21 @@ def substitute(expr: str, values: dict[str, str]) -> str:
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"(?<![\w.:])[a-zA-Z_:][a-zA-Z0-9_:]*")
-_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
-             "group_left", "group_right", "inf", "nan"}  # fmt: skip
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+}
 
 
 def metric_names(expr: str) -> set[str]:

@@ -100,10 +100,17 @@ def test_dashboard_covers_what_the_issue_asks_for(dashboard):
             assert queried(f"jitney_{metric}_seconds_bucket", f"histogram_quantile({q},"), metric
     for q in ("0.5", "0.99"):
         assert queried("jitney_queue_delay_seconds_bucket", f"histogram_quantile({q},")
-    for metric in ("jitney_queue_lag", "jitney_queue_pending", "jitney_batch_size_sum",
-                   "jitney_batch_tokens_sum", "jitney_kv_cache_usage_ratio",
-                   "jitney_kv_blocks_free", "jitney_requests_running", "jitney_requests_waiting",
-                   "jitney_preemptions_total"):  # fmt: skip
+    for metric in (
+        "jitney_queue_lag",
+        "jitney_queue_pending",
+        "jitney_batch_size_sum",
+        "jitney_batch_tokens_sum",
+        "jitney_kv_cache_usage_ratio",
+        "jitney_kv_blocks_free",
+        "jitney_requests_running",
+        "jitney_requests_waiting",
+        "jitney_preemptions_total",
+    ):
         assert queried(metric), metric
     per_worker = [e for e in exprs if "by (worker)" in e]
     assert {"jitney_generation_tokens_total", "jitney_requests_running"} <= set().union(
@@ -178,14 +185,30 @@ def test_report_time_arguments():
         with pytest.raises(ValueError):
             parse_duration(bad)
     assert [k.key for k in KEY_SERIES] == [
-        "batch_size", "batch_tokens", "queue_delay", "kv_cache_usage", "running_waiting",
+        "batch_size",
+        "batch_tokens",
+        "queue_delay",
+        "kv_cache_usage",
+        "running_waiting",
         "output_tokens",
-    ]  # fmt: skip
+    ]
 
 
 def test_report_without_prometheus_fails_clearly(tmp_path: Path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(SystemExit, match=r"bench report: .*127\.0\.0\.1"):
-        main(["bench", "report", "--prometheus", url, "--last", "5m",
-              "--output", str(tmp_path / "r.json"), "--plot", ""])  # fmt: skip
+        main(
+            [
+                "bench",
+                "report",
+                "--prometheus",
+                url,
+                "--last",
+                "5m",
+                "--output",
+                str(tmp_path / "r.json"),
+                "--plot",
+                "",
+            ]
+        )
     assert not (tmp_path / "r.json").exists()

@@ -23,7 +23,7 @@ from bench.prom_report import KEY_SERIES, Prometheus
 from bench.serve import run_serve
 from bench.trace import TraceRequest
 from jitney.cli import main
-from jitney.protocol import Keys
+from protocol import Keys
 from tests.observability.helpers import (
     PrometheusServer,
     label_values,
@@ -110,11 +110,24 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     port, metrics_port = free_port(), free_port_pair()
     worker_ports = [metrics_port + i for i in range(WORKERS)]
     up = JitneyProcess(
-        ["up", "--workers", str(WORKERS), "--model", "tiny-random", "--port", str(port),
-         "--metrics-port", str(metrics_port), "--max-num-seqs", str(MAX_NUM_SEQS),
-         "--kv-cache-memory", "16MiB"],
-        {"REDIS_URL": server.url, "OMP_NUM_THREADS": "1"}, name="obs-up",
-    )  # fmt: skip
+        [
+            "up",
+            "--workers",
+            str(WORKERS),
+            "--model",
+            "tiny-random",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        {"REDIS_URL": server.url, "OMP_NUM_THREADS": "1"},
+        name="obs-up",
+    )
     base = f"http://127.0.0.1:{port}"
     # The rules are loaded when they pass promtool; if not, only the rules test fails (below).
     rules, rules_error = load_rules(tmp_path_factory.mktemp("rules"))
@@ -227,9 +240,22 @@ def test_alert_rules_load_and_evaluate_on_live_metrics(live):
 
 def test_bench_report_draws_the_key_series(live, tmp_path: Path, capsys):
     out, png = tmp_path / "report.json", tmp_path / "report.png"
-    argv = ["bench", "report", "--prometheus", live.prometheus.url, "--start", str(live.start),
-            "--end", str(live.end), "--max-num-seqs", str(MAX_NUM_SEQS), "--output", str(out),
-            "--plot", str(png)]  # fmt: skip
+    argv = [
+        "bench",
+        "report",
+        "--prometheus",
+        live.prometheus.url,
+        "--start",
+        str(live.start),
+        "--end",
+        str(live.end),
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--output",
+        str(out),
+        "--plot",
+        str(png),
+    ]
     assert main(argv) == 0
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 20_000
     report = json.loads(out.read_text())

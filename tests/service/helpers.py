@@ -6,11 +6,11 @@ import json
 
 import aiohttp
 
-from tests.worker.engine_helpers import NEAR_TIE, top2_gap
-from worker.config import EngineConfig
-from worker.engine import CompletedRequest, Engine
-from worker.model_loader import load_model
-from worker.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import CompletedRequest, Engine
+from engine.model_loader import load_model
+from engine.sampling import SamplingParams
+from tests.engine.engine_helpers import NEAR_TIE, top2_gap
 
 MODEL = "tiny-random"
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from engine.model_loader import load_model
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
 from tests.services import System, Worker, running_system, start_worker
-from worker.model_loader import load_model
 
 pytestmark = pytest.mark.slow
 DURATION_S = float(os.environ.get("JITNEY_CHAOS_S", "40"))
@@ -39,8 +39,13 @@ async def test_requests_survive_workers_killed_stopped_and_frozen():
             async def client() -> None:
                 while time.monotonic() < stop_at:
                     prompt = rng.choice(prompts)
-                    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                            "temperature": 0, "ignore_eos": True}  # fmt: skip
+                    body = {
+                        "model": MODEL,
+                        "prompt": prompt,
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    }
                     text, usage = await stream_completion(session, system.base, body, True)
                     results.append((prompt, text, usage))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from jitney.protocol import Keys, RequestMessage
+from protocol import Keys, RequestMessage
 from tests.services import JitneyProcess
 from worker.redis_io import Entry, WorkerRedis
 
@@ -13,10 +13,19 @@ KEYS = Keys()
 
 def test_lists_dead_letters_without_their_prompts_then_purges(redis_server):
     io = WorkerRedis(redis_server.client(), KEYS, "w1")
-    msg = RequestMessage("cmpl-poison", "tiny-random", [11, 22, 33, 44], {"max_tokens": 9},
-                         KEYS.replies("gw"), "gw", time.time())  # fmt: skip
-    io.dead_letter(Entry("1-1", {k.encode(): v.encode() for k, v in msg.encode().items()}),
-                   "failed on 3 deliveries")  # fmt: skip
+    msg = RequestMessage(
+        "cmpl-poison",
+        "tiny-random",
+        [11, 22, 33, 44],
+        {"max_tokens": 9},
+        KEYS.replies("gw"),
+        "gw",
+        time.time(),
+    )
+    io.dead_letter(
+        Entry("1-1", {k.encode(): v.encode() for k, v in msg.encode().items()}),
+        "failed on 3 deliveries",
+    )
     io.dead_letter(Entry("1-2", {b"v": b"1", b"m": b"{broken"}), "failed on 3 deliveries")
 
     def run(*flags: str) -> str:

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from engine.model_loader import load_model
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
 from tests.services import Worker, running_stack, wait_for
-from worker.model_loader import load_model
 
 
 @pytest.fixture(scope="module")

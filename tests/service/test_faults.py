@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 import redis
 
-from jitney.protocol import WORKER_GROUP, Keys
+from engine.model_loader import load_model
+from protocol import WORKER_GROUP, Keys
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
 from tests.services import Worker, running_system, start_worker, wait_for
-from worker.model_loader import load_model
 
 pytestmark = pytest.mark.slow
 KEYS = Keys()
@@ -50,8 +50,9 @@ async def wait_generating(workers: list[Worker], tokens: int) -> None:
 
 def by_pending(r: redis.Redis, workers: list[Worker]) -> tuple[list[Worker], dict[str, int]]:
     """The workers, most pending entries first, and the pending counts."""
-    pending = {_text(c["name"]): c["pending"] for c in
-               r.xinfo_consumers(KEYS.requests, WORKER_GROUP)}  # fmt: skip
+    pending = {
+        _text(c["name"]): c["pending"] for c in r.xinfo_consumers(KEYS.requests, WORKER_GROUP)
+    }
     return sorted(workers, key=lambda w: -pending.get(w.worker_id, 0)), pending
 
 
@@ -96,14 +97,21 @@ async def test_worker_killed_mid_generation_loses_and_repeats_nothing():
 async def test_killed_gateway_requests_are_aborted_by_the_workers():
     """The gateway dies with streams in flight: its heartbeat lapses, the worker aborts its
     requests (slots and KV freed) instead of generating for nobody."""
-    body = {"model": MODEL, "prompt": "x y z", "max_tokens": 1500, "ignore_eos": True,
-            "temperature": 0, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "x y z",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     slow = {"JITNEY_FAILPOINTS": "step_delay_ms=20"}  # 1500 tokens take 30 s
     with running_system(("gw-orphans",), worker_env=slow) as system:
         (worker,) = system.workers
         async with aiohttp.ClientSession() as session:
-            responses = [await session.post(f"{system.base}/v1/completions", json=body)
-                         for _ in range(3)]  # fmt: skip
+            responses = [
+                await session.post(f"{system.base}/v1/completions", json=body) for _ in range(3)
+            ]
             assert all(resp.status == 200 for resp in responses)
             await asyncio.to_thread(
                 wait_for, lambda: worker.metric("jitney_requests_running") == 3, 30, "3 running"
@@ -220,8 +228,13 @@ async def test_gateway_sigterm_drains_open_streams_then_exits():
     """A gateway told to stop (rolling update) turns /ready off and answers new requests 503
     at once, lets its open streams finish, then exits 0."""
     n = 100
-    body = {"model": MODEL, "prompt": "drain", "max_tokens": n, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "drain",
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     slow = {"JITNEY_FAILPOINTS": "step_delay_ms=20"}  # the stream lasts about 2 s
     with running_system(("drain1",), worker_env=slow) as system:
         (worker,) = system.workers
@@ -247,8 +260,13 @@ async def test_gateway_sigterm_drains_open_streams_then_exits():
 async def test_gateway_shutdown_timeout_cancels_what_is_still_open():
     """Streams still open when the gateway's --shutdown-timeout runs out are cut and cancelled:
     the worker frees their slots and KV at once instead of generating for nobody."""
-    body = {"model": MODEL, "prompt": "long", "max_tokens": 1500, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "long",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     slow = {"JITNEY_FAILPOINTS": "step_delay_ms=20"}  # 1500 tokens would take 30 s
     flags = ("--shutdown-timeout", "0.5")
     with running_system(("cut1",), worker_env=slow, gateway_flags=flags) as system:
@@ -270,8 +288,7 @@ async def test_a_hung_step_lets_the_lease_lapse_and_another_worker_finishes():
     """A worker whose step hangs (8 s here, past --stall-timeout 1 s plus the 5 s lease) stops
     renewing its lease although the process is alive; a second worker takes the request over and
     finishes it; the hung one, when its step returns, is refused (fenced) and rejoins."""
-    body = {"model": MODEL, "prompt": "hang", "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {"model": MODEL, "prompt": "hang", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     hang = {"JITNEY_FAILPOINTS": "step_delay_ms=8000"}
     flags = ("--stall-timeout", "1", "--idle-block-ms", "200")
     with running_system(("hung",), flags, hang) as system:

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from bench.trace import percentile
-from jitney.protocol import WORKER_GROUP, Keys
+from protocol import WORKER_GROUP, Keys
 from tests.service.helpers import MODEL
 from tests.services import running_system, wait_for
 
@@ -29,8 +29,13 @@ DURATION_S = float(os.environ.get("JITNEY_OVERLOAD_S", "30"))
 MAX_TOKENS = 32
 MAX_NUM_SEQS = 4
 MAX_QUEUE_LEN = 8
-BODY = {"model": MODEL, "prompt": "overload", "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True}  # fmt: skip
+BODY = {
+    "model": MODEL,
+    "prompt": "overload",
+    "max_tokens": MAX_TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 
 @dataclass
@@ -67,8 +72,9 @@ async def test_twice_the_capacity_gets_fast_429s_and_loses_nothing():
                 return [await post(session, url) for _ in range(4)]
 
             warm_start = time.monotonic()
-            warm = [o for c in await asyncio.gather(*[client() for _ in range(MAX_NUM_SEQS)])
-                    for o in c]  # fmt: skip
+            warm = [
+                o for c in await asyncio.gather(*[client() for _ in range(MAX_NUM_SEQS)]) for o in c
+            ]
             capacity = len(warm) / (time.monotonic() - warm_start)
             assert all(o.status == 200 for o in warm)
             gateway_rss, redis_mem = rss_kib(gateway_pid), used_memory(r)

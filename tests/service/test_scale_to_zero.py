@@ -9,7 +9,7 @@ import urllib.request
 
 import aiohttp
 
-from jitney.protocol import Keys
+from protocol import Keys
 from tests.services import RedisServer, start_gateway, start_worker, wait_for, wait_ready
 
 KEYS = Keys()

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 import redis
 
-from jitney.redis_client import sentinel_target
+from protocol.redis_client import sentinel_target
 from tests.service.helpers import MODEL
 from tests.services import (
     RedisServer,

@@ -17,9 +17,21 @@ def test_up_serves_a_chat_request_and_stops_everything_on_sigterm():
     """A chat request succeeds through the stack `jitney up` starts; SIGTERM exits 0 and leaves
     no gateway, worker or private Redis behind."""
     port, metrics_port = free_port(), free_port()
-    up = JitneyProcess(["up", "--model", "tiny-random", "--port", str(port),
-                        "--metrics-port", str(metrics_port), "--kv-cache-memory", "16MiB"],
-                       {"REDIS_URL": ""}, name="up")  # fmt: skip
+    up = JitneyProcess(
+        [
+            "up",
+            "--model",
+            "tiny-random",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        {"REDIS_URL": ""},
+        name="up",
+    )
     base = f"http://127.0.0.1:{port}"
     try:
 
@@ -63,9 +75,21 @@ def test_up_serves_a_chat_request_and_stops_everything_on_sigterm():
 def test_up_restarts_a_worker_that_dies():
     """A worker killed under `jitney up` is restarted (as Kubernetes would) and serving goes on."""
     port = free_port()
-    up = JitneyProcess(["up", "--model", "tiny-random", "--port", str(port),
-                        "--metrics-port", str(free_port()), "--kv-cache-memory", "16MiB"],
-                       {"REDIS_URL": ""}, name="up")  # fmt: skip
+    up = JitneyProcess(
+        [
+            "up",
+            "--model",
+            "tiny-random",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(free_port()),
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        {"REDIS_URL": ""},
+        name="up",
+    )
     base = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -75,8 +99,9 @@ def test_up_restarts_a_worker_that_dies():
 
     def complete() -> dict:
         body = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
-        req = urllib.request.Request(f"{base}/v1/completions", body,
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            f"{base}/v1/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             return json.load(resp)
 

@@ -13,13 +13,18 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from jitney.protocol import (
+from engine.config import EngineConfig
+from engine.llm_engine import Engine
+from engine.model_loader import load_model
+from engine.sampling import SamplingParams
+from protocol import (
     WORKER_GROUP,
     CancelMessage,
     Keys,
     ReplyMessage,
     RequestMessage,
 )
+from tests.engine.engine_helpers import assert_greedy_parity
 from tests.services import (
     JitneyProcess,
     RedisServer,
@@ -28,11 +33,6 @@ from tests.services import (
     wait_for,
     wait_ready,
 )
-from tests.worker.engine_helpers import assert_greedy_parity
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.sampling import SamplingParams
 
 KEYS = Keys()
 MODEL = "tiny-random"
@@ -43,8 +43,9 @@ REPLY_TIMEOUT = 60
 
 def send(r: redis.Redis, request_id: str, prompt: list[int], max_tokens: int, **kw) -> str:
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    msg = RequestMessage(request_id, kw.pop("model", MODEL), prompt, sampling, REPLIES, "test-gw",
-                         time.time(), **kw)  # fmt: skip
+    msg = RequestMessage(
+        request_id, kw.pop("model", MODEL), prompt, sampling, REPLIES, "test-gw", time.time(), **kw
+    )
     return r.xadd(KEYS.requests, msg.encode()).decode()
 
 
@@ -136,8 +137,9 @@ def test_concurrent_greedy_requests_match_offline_generate(stack, replies):
     """Joined reply tokens equal Engine.generate of the same prompts; seqs and usage exact."""
     r, _ = stack
     rng = random.Random(4)
-    jobs = [(f"par-{i}", random_prompt(rng, rng.randint(3, 40)), rng.randint(5, 20))
-            for i in range(6)]  # fmt: skip
+    jobs = [
+        (f"par-{i}", random_prompt(rng, rng.randint(3, 40)), rng.randint(5, 20)) for i in range(6)
+    ]
     for request_id, prompt, n in jobs:
         send(r, request_id, prompt, n)
     finals = replies.wait(*(j[0] for j in jobs))
@@ -213,9 +215,13 @@ def test_invalid_requests_get_an_error_and_the_worker_keeps_serving(stack, repli
 def test_metrics_agree_with_what_was_served(stack, replies):
     """Token counters, finish reasons and latency histograms count exactly what was served."""
     r, worker = stack
-    names = ["jitney_generation_tokens_total", "jitney_prompt_tokens_total",
-             "jitney_time_to_first_token_seconds_count", "jitney_e2e_request_latency_seconds_count",
-             "jitney_queue_delay_seconds_count"]  # fmt: skip
+    names = [
+        "jitney_generation_tokens_total",
+        "jitney_prompt_tokens_total",
+        "jitney_time_to_first_token_seconds_count",
+        "jitney_e2e_request_latency_seconds_count",
+        "jitney_queue_delay_seconds_count",
+    ]
     before = {n: worker.metric(n) for n in names}
     length_before = worker.metric("jitney_requests_finished_total", reason="length")
     rng = random.Random(7)
@@ -259,8 +265,10 @@ def test_two_workers_share_the_queue_and_a_full_worker_does_not_hoard(redis_serv
     other serves them at once. SIGTERM then hands the long one back after --shutdown-timeout and
     the other worker continues it: one stream, seqs without gap or repeat, text as offline."""
     r = redis_server.client()
-    workers = [start_worker(redis_server, w, "--max-num-seqs", "1", "--shutdown-timeout", "1")
-               for w in ("wa", "wb")]  # fmt: skip
+    workers = [
+        start_worker(redis_server, w, "--max-num-seqs", "1", "--shutdown-timeout", "1")
+        for w in ("wa", "wb")
+    ]
     try:
         wait_ready(r, *workers)
         replies = Replies(r)
@@ -336,8 +344,17 @@ def test_worker_with_its_metrics_port_taken_exits_2_with_a_clear_error(redis_ser
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        args = ["worker", "--model", MODEL, "--kv-cache-memory", "16MiB",
-                "--metrics-port", str(port), "--worker-id", "wport"]  # fmt: skip
+        args = [
+            "worker",
+            "--model",
+            MODEL,
+            "--kv-cache-memory",
+            "16MiB",
+            "--metrics-port",
+            str(port),
+            "--worker-id",
+            "wport",
+        ]
         proc = JitneyProcess(args, {"REDIS_URL": redis_server.url}, name="wport")
         assert proc.proc.wait(60) == 2
     out = proc.output()
@@ -372,8 +389,19 @@ def test_vllm_metric_names_mirror_the_workers_own(redis_server):
 def test_worker_with_a_stall_timeout_under_its_idle_block_refuses_to_start(redis_server):
     """An idle worker blocks on the stream for --idle-block-ms: a shorter --stall-timeout would
     make it look hung to itself. Refused at start with the reason."""
-    args = ["worker", "--model", MODEL, "--kv-cache-memory", "16MiB", "--metrics-port", "0",
-            "--idle-block-ms", "1000", "--stall-timeout", "0.5"]  # fmt: skip
+    args = [
+        "worker",
+        "--model",
+        MODEL,
+        "--kv-cache-memory",
+        "16MiB",
+        "--metrics-port",
+        "0",
+        "--idle-block-ms",
+        "1000",
+        "--stall-timeout",
+        "0.5",
+    ]
     proc = JitneyProcess(args, {"REDIS_URL": redis_server.url}, name="wstall")
     assert proc.proc.wait(60) == 2
     assert "cannot_start" in proc.output() and "stall_timeout" in proc.output()

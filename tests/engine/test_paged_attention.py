@@ -21,9 +21,9 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from worker import paged_attention
-from worker.kv_cache import KVCacheSpec, PagedKVCache, parse_bytes
-from worker.paged_attention import (
+from engine import paged_attention
+from engine.kv_cache import KVCacheSpec, PagedKVCache, parse_bytes
+from engine.paged_attention import (
     AttentionMetadata,
     group_decodes,
     model_forward,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.model_loader import LoadedModel
+from engine.config import EngineConfig
+from engine.llm_engine import Engine
+from engine.model_loader import LoadedModel
 
 NEAR_TIE = 1e-3  # top-2 log-prob gap under which a differing greedy token is a numerical tie
 

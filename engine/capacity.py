@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.config import EngineConfig
-from worker.kv_cache import KVCacheSpec, parse_bytes
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec, parse_bytes
 
-logger = logging.getLogger("jitney.worker.capacity")
+logger = logging.getLogger("jitney.engine.capacity")
 
 CPU_DEFAULT_KV_MEMORY = "1GiB"
 

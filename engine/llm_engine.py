@@ -11,16 +11,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.capacity import KVCapacity, budget_bytes, plan_capacity
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.model_loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplerState, SamplingParams, sample
 from scheduler import KVBlockManager, SchedulerStats, Sequence, StepPlan, make_policy
-from worker.capacity import KVCapacity, budget_bytes, plan_capacity
-from worker.config import EngineConfig
-from worker.detokenizer import IncrementalDetokenizer
-from worker.kv_cache import KVCacheSpec, PagedKVCache
-from worker.model_loader import LoadedModel, load_model
-from worker.model_runner import ModelRunner
-from worker.sampling import SamplerState, SamplingParams, sample
 
-logger = logging.getLogger("jitney.worker.engine")
+logger = logging.getLogger("jitney.engine")
 
 
 class RequestTooLongError(ValueError):
@@ -181,8 +181,9 @@ class Engine:
             self.block_manager = KVBlockManager(
                 self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
             )
-            self.policy = make_policy(config.batching, config.scheduler_config(),
-                                      self.block_manager)  # fmt: skip
+            self.policy = make_policy(
+                config.batching, config.scheduler_config(), self.block_manager
+            )
 
     def has_unfinished(self) -> bool:
         return self.policy.has_unfinished()

@@ -1,8 +1,6 @@
-"""The wire protocol between gateways and workers: Redis key names and typed messages.
+"""The wire protocol's Redis side: every key name, the timing constants, where Redis is.
 
-Nothing else in the code base spells a key name. Every message is one stream entry (or hash) with
-two fields: `v` (the protocol version) and `m` (the message as JSON). A reader refuses a version
-it does not know instead of misreading it.
+Nothing outside `protocol/` spells a key name.
 
 Keys (prefix `jitney` by default, so several deployments can share one Redis):
 - `{p}:requests`            stream of RequestMessage; consumer group `workers`. A worker XACKs
@@ -31,13 +29,10 @@ Delivery is at-least-once, so a gateway drops a reply whose seq it has already d
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-PROTOCOL_VERSION = 1
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 WORKER_GROUP = "workers"
 # A worker or gateway whose heartbeat is older than this is gone (hosts' clocks must agree to
@@ -120,117 +115,3 @@ class Keys:
 
     def ratelimit(self, key_id: str) -> str:
         return f"{self.prefix}:ratelimit:{key_id}"
-
-
-class ProtocolError(ValueError):
-    """An entry that is not a message of this protocol version."""
-
-
-M = TypeVar("M", bound="Message")
-
-
-@dataclass(slots=True)
-class Message:
-    """Base: JSON encoding with a version field. Subclasses are plain dataclasses."""
-
-    kind: ClassVar[str] = "message"
-
-    def encode(self) -> dict[str, str]:
-        return {"v": str(PROTOCOL_VERSION), "m": json.dumps(asdict(self), separators=(",", ":"))}
-
-    @classmethod
-    def decode(cls: type[M], entry: dict[Any, Any]) -> M:
-        def text(key: str) -> str:
-            value = entry.get(key, entry.get(key.encode()))
-            if value is None:
-                raise ProtocolError(f"{cls.kind}: missing field {key!r}")
-            return value.decode() if isinstance(value, bytes) else str(value)
-
-        if text("v") != str(PROTOCOL_VERSION):
-            raise ProtocolError(
-                f"{cls.kind}: protocol version {text('v')}, expected {PROTOCOL_VERSION}"
-            )
-        try:
-            data = json.loads(text("m"))
-            known = {f.name for f in fields(cls)}
-            return cls(**{k: v for k, v in data.items() if k in known})
-        except (TypeError, ValueError) as e:
-            raise ProtocolError(f"{cls.kind}: malformed message: {e}") from e
-
-
-@dataclass(slots=True)
-class SamplingFields:
-    """The sampling parameters as they travel (worker.sampling.SamplingParams mirrors them)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass(slots=True)
-class RequestMessage(Message):
-    kind: ClassVar[str] = "request"
-
-    request_id: str
-    model: str
-    prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingFields as a dict
-    reply_to: str  # the gateway's reply stream key
-    gateway_id: str
-    enqueue_time: float  # unix seconds, stamped by the gateway just before XADD
-    deadline: float | None = None  # unix seconds; dropped as "expired" if not started by then
-
-    @property
-    def sampling_fields(self) -> SamplingFields:
-        return SamplingFields(**self.sampling)
-
-
-@dataclass(slots=True)
-class ReplyMessage(Message):
-    """One step's delta for a request, or its terminal message (`finish_reason` set)."""
-
-    kind: ClassVar[str] = "reply"
-
-    request_id: str
-    seq: int  # 0, 1, 2, ... per request: the gateway drops duplicates and sees gaps
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    # stop | length | abort | expired | error; None while the request is still running
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None  # a message safe to show the client
-    error_type: str | None = None  # OpenAI error type, e.g. invalid_request_error
-
-    @property
-    def is_final(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class CancelMessage(Message):
-    kind: ClassVar[str] = "cancel"
-
-    request_id: str
-    reason: str = "client_gone"
-
-
-@dataclass(slots=True)
-class ModelCard(Message):
-    """What a gateway needs to serve a model without loading it: tokenizer and limits."""
-
-    kind: ClassVar[str] = "model"
-
-    name: str
-    max_model_len: int
-    eos_token_ids: list[int]
-    tokenizer_json: str  # tokenizers' own serialization
-    chat_template: str | None = None
-    special_tokens: dict[str, str | None] = field(default_factory=dict)  # bos/eos/pad/unk
-    created: float = 0.0

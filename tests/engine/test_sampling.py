@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from worker.sampling import SamplerState, SamplingParams, sample
+from engine.sampling import SamplerState, SamplingParams, sample
 
 CPU = torch.device("cpu")
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from tests.worker.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
-from worker.model_loader import load_model
-from worker.sampling import SamplingParams
+from engine.model_loader import load_model
+from engine.sampling import SamplingParams
+from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
 
 
 @pytest.fixture(scope="module")

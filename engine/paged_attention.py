@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from worker.kv_cache import PagedKVCache
+from engine.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "jitney_paged"
 # A new decode group costs one more gather + SDPA per layer; it pays when the padding it avoids

@@ -11,7 +11,7 @@ import time
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from jitney.protocol import ModelCard
+from protocol import ModelCard
 
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
 

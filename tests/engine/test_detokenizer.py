@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.detokenizer import IncrementalDetokenizer
-from worker.tiny_model import build_tiny_tokenizer
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tiny_model import build_tiny_tokenizer
 
 TOKENIZER = build_tiny_tokenizer()
 PROMPT = TOKENIZER.encode("hello")

@@ -82,5 +82,6 @@ def async_client(url: str, max_connections: int, **kwargs: Any) -> aioredis.Redi
         return aioredis.Redis(connection_pool=pool)
     sentinels = target.sentinels
     sentinel = AsyncSentinel(sentinels, sentinel_kwargs=target.sentinel_kwargs(kwargs), **kwargs)
-    return sentinel.master_for(target.service, max_connections=max_connections * 16,
-                               **target.node_kwargs, **kwargs)  # fmt: skip
+    return sentinel.master_for(
+        target.service, max_connections=max_connections * 16, **target.node_kwargs, **kwargs
+    )

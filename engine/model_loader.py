@@ -24,9 +24,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from worker.tiny_model import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
+from engine.tiny_model import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
 
-logger = logging.getLogger("jitney.worker.model")
+logger = logging.getLogger("jitney.engine.model")
 
 TINY_RANDOM = "tiny-random"
 SMOLLM2_135M = "smollm2-135m"

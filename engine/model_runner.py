@@ -6,9 +6,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from engine.kv_cache import PagedKVCache
+from engine.paged_attention import AttentionMetadata, model_forward, use_paged_attention
 from scheduler import Sequence, StepPlan
-from worker.kv_cache import PagedKVCache
-from worker.paged_attention import AttentionMetadata, model_forward, use_paged_attention
 
 
 class ModelRunner:

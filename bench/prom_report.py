@@ -6,8 +6,11 @@ stream's lag, where a continuous worker leaves what it cannot start yet) and out
 The rate window follows Grafana's `$__rate_interval` (max(4 × scrape interval, step + scrape
 interval)), so the picture matches the dashboard.
 
-Standard library only (matplotlib is imported when drawing): `jitney` builds every subcommand's
-parser at start-up, so importing this module must stay cheap.
+Standard library only (matplotlib is imported when drawing): `jitney bench` builds this parser
+for every bench subcommand, so importing this module must stay cheap.
+
+The report also records the machine's load average at its start and end: on a busy machine the
+scrapes and the workers it watched ran late, and the numbers should say so.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from bench.provenance import load_average, recorded_command
 
 DEFAULT_PROMETHEUS = "http://localhost:9090"
 DEFAULT_SCRAPE_S = 15.0  # Prometheus' default, when no target reports its interval
@@ -282,6 +288,13 @@ def format_summary(report: dict[str, Any]) -> str:
     rows = [
         f"{report['start_utc']} + {report['duration_s']:g} s, step {report['step_s']:g} s, "
         f"rate window {report['rate_window']}, from {report['prometheus']}",
+    ]
+    if load := report.get("load_average"):
+        rows.append(
+            f"load average (1/5/15 min) at start {_triple(load['start'])}, "
+            f"at end {_triple(load['end'])}, on {load['cpus']} CPUs"
+        )
+    rows += [
         f"{'series':<24} {'line':<28} {'mean':>10} {'max':>10}",
     ]
     for key, lines in report["summary"].items():
@@ -290,6 +303,10 @@ def format_summary(report: dict[str, Any]) -> str:
         for name, s in lines.items():
             rows.append(f"{key:<24} {name[:28]:<28} {s['mean']:>10.3g} {s['max']:>10.3g}")
     return "\n".join(rows)
+
+
+def _triple(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
 
 
 def plot(
@@ -378,6 +395,7 @@ def add_report_arguments(sub: argparse._SubParsersAction) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    load_at_start = load_average()
     try:
         end = parse_time(args.end) if args.end else time.time()
         last = parse_duration(args.last or "15m")
@@ -388,7 +406,12 @@ def run_report(args: argparse.Namespace) -> int:
         )
     except (ValueError, PrometheusError) as e:
         raise SystemExit(f"bench report: {e}") from None
-    report["command"] = " ".join(sys.argv)
+    report["load_average"] = {
+        "start": load_at_start,
+        "end": load_average(),
+        "cpus": os.cpu_count(),
+    }
+    report["command"] = recorded_command()
     print(format_summary(report))
     write_json(report, args.output)
     print(f"wrote {args.output}", file=sys.stderr)

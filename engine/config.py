@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler import POLICIES, SchedulerConfig
+from scheduler.config import SCHEDULER_DEFAULTS as SCHED
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -21,10 +22,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     batching: str = "continuous"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_queue_delay: float = 0.05  # seconds; dynamic batching only
-    reserve_full_length: bool = False
+    # The scheduler's share: its defaults are SchedulerConfig's (one copy of the numbers).
+    max_num_seqs: int = SCHED.max_num_seqs
+    max_num_batched_tokens: int = SCHED.max_num_batched_tokens
+    max_queue_delay: float = SCHED.max_queue_delay  # seconds; dynamic batching only
+    reserve_full_length: bool = SCHED.reserve_full_length
+    max_preemptions_per_seq: int = SCHED.max_preemptions_per_seq
     max_model_len: int | None = None  # None: the model's, capped to what the KV cache holds
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
@@ -62,4 +65,5 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_queue_delay=self.max_queue_delay,
             reserve_full_length=self.reserve_full_length,
+            max_preemptions_per_seq=self.max_preemptions_per_seq,
         )

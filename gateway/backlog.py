@@ -26,6 +26,7 @@ from protocol import WORKER_GROUP, Keys, RequestMessage
 
 # Resets the queued-token counter to 0 if the group's lag is 0 (nothing queued), so a counter a
 # crashed worker left too high heals the next time the queue drains. KEYS: stream, counter.
+# ARGV: the workers' group. Registered once and called by SHA (see BacklogMonitor.__init__).
 _RESET_IF_EMPTY = """
 local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
 if not ok then return 0 end
@@ -76,6 +77,9 @@ class BacklogMonitor:
         self._fetching: asyncio.Future[Backlog] | None = None
         self._enqueued_since_reading = 0
         self._tokens_since_reading = 0
+        # register_script: EVALSHA, and SCRIPT LOAD + EVALSHA again on NOSCRIPT (a restarted
+        # Redis has an empty script cache).
+        self._reset_if_empty = redis.register_script(_RESET_IF_EMPTY)
 
     async def ensure_group(self) -> None:
         """Create the consumer group at id 0, so nothing enqueued before any worker is skipped."""
@@ -164,9 +168,8 @@ class BacklogMonitor:
                 lag = await self._count_undelivered(_field(group, "last-delivered-id"))
             lag, pending = int(lag), int(_field(group, "pending") or 0)
         if lag == 0 and queued_tokens > 0:
-            await self.redis.eval(
-                _RESET_IF_EMPTY, 2, self.keys.requests, self.keys.queued_tokens, WORKER_GROUP
-            )
+            keys = [self.keys.requests, self.keys.queued_tokens]
+            await self._reset_if_empty(keys=keys, args=[WORKER_GROUP])
             queued_tokens = 0
         backlog = Backlog(lag, pending, queued_tokens)
         self._reading = backlog

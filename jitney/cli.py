@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Collection, Sequence
 
 # name -> (module under jitney.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -51,18 +52,30 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
         action.required = False
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """Every command is listed (with its help line); only those in `load` get their arguments,
+    which imports their modules: `main` loads just the chosen one."""
     parser = argparse.ArgumentParser(prog="jitney", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"jitney.commands.{module}").add_arguments(p)
-        apply_env_defaults(p)
+        if name in load:
+            importlib.import_module(f"jitney.commands.{module}").add_arguments(p)
+            apply_env_defaults(p)
     return parser
 
 
+def chosen_command(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line: the first word that is not an option (the
+    top level has no options of its own but --help). None: argparse then says what is wrong."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = chosen_command(argv)
+    args = build_parser([command] if command else []).parse_args(argv)
     module = importlib.import_module(f"jitney.commands.{COMMANDS[args.command][0]}")
     return module.run(args)
 

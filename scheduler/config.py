@@ -1,4 +1,8 @@
-"""Scheduler configuration: one frozen dataclass, validated on construction."""
+"""Scheduler configuration: one frozen dataclass, validated on construction.
+
+Its field defaults are the only copy of the batching defaults: EngineConfig and the engine's CLI
+flags read them from `SCHEDULER_DEFAULTS`, so a bare Engine and `jitney worker` cannot disagree.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ from dataclasses import dataclass
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     # Slots: the most sequences in one batch (the batch size of static and dynamic batching).
-    max_num_seqs: int = 8
+    max_num_seqs: int = 64
     # Per-step token budget: decode tokens count one each, prefill chunks share what is left.
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     # Dynamic batching: launch a partial batch once its oldest request has waited this long
-    # (same clock as arrival times: seconds in the worker, steps in the simulator).
-    max_queue_delay: float = 0.0
+    # (same clock as arrival times: seconds in the worker, steps in the simulator, which always
+    # passes its own; the default is the worker's, in seconds).
+    max_queue_delay: float = 0.05
     # Reserve prompt + max_tokens of KV at admission, so nothing is ever preempted.
     reserve_full_length: bool = False
     # A sequence preempted this many times is no longer chosen as a victim while others exist.
@@ -32,3 +37,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_preemptions_per_seq must be >= 1, got {self.max_preemptions_per_seq}"
             )
+
+
+# The defaults, readable by name (a slotted dataclass has no class-level default attributes).
+SCHEDULER_DEFAULTS = SchedulerConfig()

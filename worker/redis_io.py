@@ -32,6 +32,9 @@ MAX_CANCELS_PER_READ = 1000
 # Handed-back entries are marked idle this long, so any claimer's min-idle test passes at once.
 RELEASED_IDLE_MS = 24 * 3600 * 1000
 
+# Both scripts run every step or second, so they are registered once and called by SHA
+# (redis-py's Script: EVALSHA, and SCRIPT LOAD + EVALSHA again on NOSCRIPT, as after a restart).
+
 # One step's replies, progress and acks, applied atomically unless this worker has been fenced
 # (another worker judged it dead and took its requests over): a fenced worker's late writes would
 # interleave with its successor's. Returns 0 when fenced, 1 when applied.
@@ -69,11 +72,15 @@ return 1
 """
 
 # The heartbeat renews the lease only while not fenced: a fenced worker must not look alive
-# until it has handed back what it still holds. Returns 1 (renewed) or 0 (fenced).
+# until it has handed back what it still holds. It also says whether the model card exists (a
+# Redis restart loses it): one call, not a pipeline (a pipeline of scripts costs a SCRIPT EXISTS
+# round trip first). KEYS: fence flag, workers, model card. ARGV: worker id, now.
+# Returns {renewed (1) or fenced (0), card exists (1|0)}.
 _HEARTBEAT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local has_card = redis.call('EXISTS', KEYS[3])
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, has_card} end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-return 1
+return {1, has_card}
 """
 
 Fields = dict[bytes, bytes]
@@ -132,6 +139,8 @@ class WorkerRedis:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._publish = client.register_script(_PUBLISH)
 
     @classmethod
     def connect(cls, url: str, keys: Keys, worker_id: str, idle_block_ms: int) -> WorkerRedis:
@@ -161,11 +170,8 @@ class WorkerRedis:
     def heartbeat(self, card: ModelCard) -> bool:
         """Renew this worker's lease; publish the model card if it is missing (a Redis restart
         lost it). One round trip unless the card is missing. False: this worker is fenced."""
-        pipe = self.client.pipeline(transaction=False)
-        fence, workers = self.keys.fenced(self.worker_id), self.keys.workers
-        pipe.eval(_HEARTBEAT, 2, fence, workers, self.worker_id, time.time())
-        pipe.exists(self.keys.model(card.name))
-        renewed, has_card = pipe.execute()
+        keys = [self.keys.fenced(self.worker_id), self.keys.workers, self.keys.model(card.name)]
+        renewed, has_card = self._heartbeat(keys=keys, args=[self.worker_id, time.time()])
         if not has_card:
             self.publish_card(card)
         return bool(renewed)
@@ -268,8 +274,8 @@ class WorkerRedis:
             ]
         for entry_id in outbox.acks:
             args += ["A", entry_id]
-        fence = self.keys.fenced(self.worker_id)
-        return bool(self.client.eval(_PUBLISH, 2, fence, self.keys.requests, *args))
+        keys = [self.keys.fenced(self.worker_id), self.keys.requests]
+        return bool(self._publish(keys=keys, args=args))
 
     # ----- taking over orphaned work -------------------------------------------------------
     def roster(self, lease_s: float) -> Roster:

@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from scheduler import POLICIES
+from scheduler.config import SCHEDULER_DEFAULTS as SCHED
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -35,23 +36,31 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--batching", choices=sorted(POLICIES), default="continuous")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="batch slots")
+    # Batching defaults are the scheduler's own (SchedulerConfig), not a copy.
+    g.add_argument("--max-num-seqs", type=int, default=SCHED.max_num_seqs, help="batch slots")
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=512,
+        default=SCHED.max_num_batched_tokens,
         help="per-step token budget (decodes + prefill chunks)",
     )
     g.add_argument(
         "--max-queue-delay",
         type=float,
-        default=0.05,
+        default=SCHED.max_queue_delay,
         help="dynamic batching: seconds the oldest request may wait for a full batch",
     )
     g.add_argument(
         "--reserve",
         action="store_true",
         help="reserve prompt + max_tokens of KV at admission (never preempt)",
+    )
+    g.add_argument(
+        "--max-preemptions-per-seq",
+        type=int,
+        default=SCHED.max_preemptions_per_seq,
+        metavar="N",
+        help="a sequence preempted N times is spared as a victim while others can be preempted",
     )
     g.add_argument(
         "--max-model-len",
@@ -78,6 +87,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue_delay=args.max_queue_delay,
         reserve_full_length=args.reserve,
+        max_preemptions_per_seq=args.max_preemptions_per_seq,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         cache_dir=args.cache_dir,

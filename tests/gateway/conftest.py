@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import PreTrainedTokenizerFast
 
@@ -77,12 +76,7 @@ async def client(served: redis.Redis, make_client: MakeClient) -> TestClient[Any
 
 
 @pytest.fixture
-async def aredis(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    r = aioredis.Redis.from_url(redis_server.url, socket_timeout=5)
-    yield r
-    await r.aclose()
-
-
-@pytest.fixture
-def fake_worker(aredis: aioredis.Redis) -> FakeWorker:
-    return FakeWorker(aredis)
+def fake_worker(redis_server: RedisServer) -> Iterator[FakeWorker]:
+    worker = FakeWorker.connect(redis_server.url)
+    yield worker
+    worker.close()

@@ -1,7 +1,10 @@
 """Gateway test helpers: the model card, heartbeats, and a hand-played worker (FakeWorker).
 
-The tests play the worker's part by hand: read the request entry with XREADGROUP and write
-ReplyMessages to its reply stream, so the gateway is tested without torch or a model.
+The tests play the worker's part by hand, so the gateway is tested without torch or a model. The
+fake makes the worker's own Redis calls (worker.redis_io.WorkerRedis: the group read, the
+queued-token count, the atomic reply + progress + ack publish), so it cannot drift from the
+worker there; what it answers is checked against a real `jitney worker` in
+test_fake_worker_contract.py.
 """
 
 from __future__ import annotations
@@ -14,81 +17,119 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
-from protocol import (
-    HEARTBEAT_INTERVAL_S,
-    WORKER_GROUP,
-    Keys,
-    ModelCard,
-    ReplyMessage,
-    RequestMessage,
-)
+from protocol import HEARTBEAT_INTERVAL_S, Keys, ModelCard, ReplyMessage, RequestMessage
 from tests.services import JitneyProcess, RedisServer, free_port, wait_for
+from worker.redis_io import Outbox, WorkerRedis
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
 KEYS = Keys("jitney")
+FAKE_WORKER_ID = "fake-worker"  # its heartbeat's id and its consumer name, as for a real worker
+READ_BLOCK_MS = 200  # one blocking read of the fake: short, so a wait can end between reads
 MakeClient = Callable[..., Any]  # the make_client fixture: overrides of GatewayConfig
 
 
 def publish_card(r: redis.Redis, card: ModelCard) -> None:
-    r.hset(KEYS.model(card.name), mapping=card.encode())
-    r.sadd(KEYS.models, card.name)
+    WorkerRedis(r, KEYS, FAKE_WORKER_ID).publish_card(card)
 
 
-def heartbeat(r: redis.Redis, worker_id: str = "fake-worker", at: float | None = None) -> None:
+def heartbeat(r: redis.Redis, worker_id: str = FAKE_WORKER_ID, at: float | None = None) -> None:
+    """A worker's lease renewed now (or `at`: a stale one); the real one is WorkerRedis.heartbeat,
+    which cannot backdate."""
     r.zadd(KEYS.workers, {worker_id: time.time() if at is None else at})
 
 
-class FakeWorker:
-    """Plays the worker: takes the next request off the queue and answers with given replies."""
+def enqueued_total(r: redis.Redis) -> int:
+    """Requests ever enqueued (its length is no count: a worker deletes what it has answered)."""
+    return int(r.xinfo_stream(KEYS.requests)["entries-added"]) if r.exists(KEYS.requests) else 0
 
-    def __init__(self, r: aioredis.Redis):
-        self.redis = r
+
+def replies_for(
+    request: RequestMessage, pieces: list[str], finish: str = "stop"
+) -> list[ReplyMessage]:
+    """A generation as a worker replies it: one reply per token (ids 10, 11, ...), seq 0, 1,
+    ...; the last one final with the usage."""
+    replies = [
+        ReplyMessage(request.request_id, seq, [10 + seq], text) for seq, text in enumerate(pieces)
+    ]
+    last = replies[-1]
+    last.finish_reason = finish
+    last.prompt_tokens = len(request.prompt_token_ids)
+    last.completion_tokens = len(pieces)
+    return replies
+
+
+class FakeWorker:
+    """Plays the worker: takes the next request off the queue and answers with given replies.
+
+    The plain methods are blocking (for a thread); take, reply, answer and reject await them
+    in a thread, so the in-process gateway keeps running meanwhile."""
+
+    def __init__(self, io: WorkerRedis):
+        self.io = io
+        self.entries: dict[str, str] = {}  # request id -> its stream entry, acked when final
+
+    @classmethod
+    def connect(cls, url: str, worker_id: str = FAKE_WORKER_ID) -> FakeWorker:
+        return cls(WorkerRedis.connect(url, KEYS, worker_id, READ_BLOCK_MS))
+
+    def close(self) -> None:
+        self.io.client.close()
+
+    def read(self, count: int, block_ms: int) -> list[RequestMessage]:
+        """Up to `count` new requests, as a worker reads them: their prompt tokens leave the
+        queued-token count."""
+        entries = self.io.read_requests(count, block_ms)
+        requests = [RequestMessage.decode(entry.fields) for entry in entries]
+        queued = sum(len(request.prompt_token_ids) for request in requests)
+        self.io.dequeue([request.request_id for request in requests], queued)
+        for entry, request in zip(entries, requests, strict=True):
+            self.entries[request.request_id] = entry.entry_id
+        return requests
+
+    def send(self, request: RequestMessage, replies: list[ReplyMessage]) -> None:
+        """Publish replies as a worker does; a final one acks and deletes the request entry."""
+        outbox = Outbox()
+        for reply in replies:
+            outbox.replies.append((request.reply_to, reply))
+            if reply.is_final:
+                outbox.acks.append(self.entries.pop(request.request_id))
+        assert self.io.publish(outbox), f"{self.io.worker_id} is fenced"
 
     async def take(self, timeout_ms: int = 5000) -> RequestMessage:
         deadline = time.monotonic() + timeout_ms / 1000
-        while True:
-            try:
-                result = await self.redis.xreadgroup(
-                    WORKER_GROUP, "fake", {KEYS.requests: ">"}, count=1, block=timeout_ms
-                )
-                break
-            except redis.ResponseError:  # NOGROUP: the gateway creates it when it enqueues
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.02)
-        assert result, "no request was enqueued"
-        (_stream, [(_id, fields)]) = result[0]
-        request = RequestMessage.decode(fields)
-        # As a worker does: its prompt tokens are no longer queued.
-        await self.redis.decrby(KEYS.queued_tokens, len(request.prompt_token_ids))
-        return request
+        while not (requests := await asyncio.to_thread(self.read, 1, READ_BLOCK_MS)):
+            assert time.monotonic() < deadline, "no request was enqueued"
+        return requests[0]
 
     async def reply(self, request: RequestMessage, *replies: ReplyMessage) -> None:
-        for reply in replies:
-            await self.redis.xadd(request.reply_to, reply.encode())
+        await asyncio.to_thread(self.send, request, list(replies))
 
     async def answer(
         self, request: RequestMessage, pieces: list[str], finish: str = "stop"
     ) -> list[ReplyMessage]:
         """One reply per piece (token ids 10, 11, ...), the last one final."""
-        n = len(request.prompt_token_ids)
-        replies = [
-            ReplyMessage(request.request_id, seq, [10 + seq], text)
-            for seq, text in enumerate(pieces)
-        ]
-        last = replies[-1]
-        replies[-1] = replace(
-            last, finish_reason=finish, prompt_tokens=n, completion_tokens=len(pieces)
-        )
+        replies = replies_for(request, pieces, finish)
         await self.reply(request, *replies)
         return replies
+
+    async def reject(
+        self,
+        request: RequestMessage,
+        reason: str,
+        error: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        """End a request the worker never started (bad, expired, cancelled): one final reply."""
+        final = ReplyMessage(
+            request.request_id, 0, finish_reason=reason, error=error, error_type=error_type
+        )
+        await self.reply(request, final)
 
 
 def assert_openai_error(body: dict[str, Any], param: str | None = None) -> None:
@@ -198,7 +239,7 @@ def parse_raw_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
 class KeepHeartbeat:
     """A fake worker's heartbeat kept fresh from a thread, so the gateway sees a live worker."""
 
-    def __init__(self, r: redis.Redis, worker_id: str = "fake-worker"):
+    def __init__(self, r: redis.Redis, worker_id: str = FAKE_WORKER_ID):
         self.redis = r
         self.worker_id = worker_id
         self._stop = threading.Event()
@@ -226,6 +267,7 @@ class AnsweringWorker(KeepHeartbeat):
 
     def __init__(self, r: redis.Redis):
         super().__init__(r)
+        self.worker = FakeWorker(WorkerRedis(r, KEYS, self.worker_id))
         self.answered = 0
 
     def _run(self) -> None:
@@ -234,24 +276,6 @@ class AnsweringWorker(KeepHeartbeat):
             if time.monotonic() - beat_at > HEARTBEAT_INTERVAL_S:
                 heartbeat(self.redis, self.worker_id)
                 beat_at = time.monotonic()
-            try:
-                result = self.redis.xreadgroup(
-                    WORKER_GROUP, "answering", {KEYS.requests: ">"}, count=64, block=100
-                )
-            except redis.ResponseError:  # NOGROUP until the gateway creates it
-                time.sleep(0.05)
-                continue
-            for _stream, entries in result or []:
-                for _id, fields in entries:
-                    request = RequestMessage.decode(fields)
-                    final = ReplyMessage(
-                        request.request_id,
-                        0,
-                        [10],
-                        "ok",
-                        finish_reason="stop",
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=1,
-                    )
-                    self.redis.xadd(request.reply_to, final.encode())
-                    self.answered += 1
+            for request in self.worker.read(64, 100):
+                self.worker.send(request, replies_for(request, ["ok"]))
+                self.answered += 1

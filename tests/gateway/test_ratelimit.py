@@ -18,7 +18,14 @@ from gateway.config import RateLimits
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
-from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, assert_openai_error, http
+from tests.gateway.helpers import (
+    KEYS,
+    FakeWorker,
+    MakeClient,
+    assert_openai_error,
+    enqueued_total,
+    http,
+)
 from tests.gateway.helpers import start_gateway as start
 from tests.services import RedisServer
 
@@ -158,4 +165,4 @@ async def test_tokens_per_minute_over_http(
     response = await client.post("/v1/completions", json={**body, "max_tokens": 50})
     assert response.status == 400  # 55 tokens fit the context window (64), never the bucket
     assert (await response.json())["error"]["code"] == "tokens_over_rate_limit"
-    assert served.xlen(KEYS.requests) == 2
+    assert enqueued_total(served) == 2

@@ -60,9 +60,9 @@ async def test_enqueued_chat_request_has_template_ids_and_sampling(
     assert request.model == MODEL and request.request_id.startswith("chatcmpl-")
     assert request.reply_to == KEYS.replies("gw-test") and request.gateway_id == "gw-test"
     assert request.deadline is None and request.enqueue_time > 0
-    s = request.sampling_fields
+    s = request.sampling_params
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.5, 0.9, 20, 42)
-    assert s.stop == ["\n"] and s.ignore_eos
+    assert s.stop == ("\n",) and s.ignore_eos
     await fake_worker.answer(request, ["Hi", " there"])
     response = await call
     assert response.status == 200
@@ -87,7 +87,7 @@ async def test_completion_defaults_and_token_id_prompt(
     call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "the cat"}))
     request = await fake_worker.take()
     assert request.prompt_token_ids == tokenizer.encode("the cat")
-    s = request.sampling_fields
+    s = request.sampling_params
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (16, 1.0, 1.0, 0, None)
     await fake_worker.answer(request, ["a", "b", "c"], finish="length")
     out = await (await call).json()
@@ -219,7 +219,7 @@ async def test_reply_stream_is_trimmed(client: Client, fake_worker: FakeWorker) 
 
 
 async def _is_zero(fake_worker: FakeWorker, key: str) -> bool:
-    return await fake_worker.redis.xlen(key) == 0
+    return await asyncio.to_thread(fake_worker.io.client.xlen, key) == 0
 
 
 async def test_silent_workers_time_out_with_keepalives(

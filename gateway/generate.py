@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -26,7 +26,7 @@ from gateway.replies import InFlight
 from gateway.responses import DONE, KEEPALIVE, Kind, Responder, sse, usage
 from gateway.schema import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
 from gateway.service import Gateway
-from protocol import ReplyMessage, RequestMessage, SamplingFields
+from protocol import ReplyMessage, RequestMessage
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 NORMAL_FINISH = frozenset({"stop", "length"})
@@ -64,7 +64,7 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     model = await gw.registry.resolve(parsed.model)
     prompt_ids = await _prompt_ids(gw, model, parsed)
-    sampling = _sampling_fields(gw, model, parsed, len(prompt_ids))
+    sampling = replace(parsed.sampling, max_tokens=_max_tokens(gw, model, parsed, len(prompt_ids)))
     await charge_tokens(request, len(prompt_ids) + sampling.max_tokens)  # per-key tokens/min
     await gw.backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
 
@@ -75,7 +75,7 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
         request_id=responder.request_id,
         model=model.name,
         prompt_token_ids=prompt_ids,
-        sampling=asdict(sampling),
+        sampling=sampling.to_dict(),
         reply_to=gw.reply_stream,
         gateway_id=gw.config.gateway_id,
         enqueue_time=now,
@@ -121,13 +121,12 @@ def _param(parsed: CompletionRequest | ChatRequest) -> str:
     return "messages" if isinstance(parsed, ChatRequest) else "prompt"
 
 
-def _sampling_fields(
+def _max_tokens(
     gw: Gateway, model: ServedModel, parsed: CompletionRequest | ChatRequest, num_prompt: int
-) -> SamplingFields:
-    s = parsed.sampling
+) -> int:
+    """The client's max_tokens or the route's default, refused (400) past the context window."""
     limit = model.card.max_model_len
-    param = _param(parsed)
-    max_tokens = s.max_tokens
+    max_tokens = parsed.max_tokens
     if max_tokens is None:  # chat: as much as fits, capped; completions: OpenAI's 16
         if isinstance(parsed, ChatRequest):
             max_tokens = max(1, min(gw.config.chat_default_max_tokens, limit - num_prompt))
@@ -138,19 +137,10 @@ def _sampling_fields(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
             f"the completion). Please reduce the prompt or max_tokens.",
-            param=param,
+            param=_param(parsed),
             code="context_length_exceeded",
         )
-    return SamplingFields(
-        max_tokens=max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop=s.stop,
-        stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
-    )
+    return max_tokens
 
 
 def final_error(reply: ReplyMessage) -> ApiError:

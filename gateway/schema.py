@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import bad_request
+from protocol import SamplingParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
@@ -26,22 +27,11 @@ _INT64 = 2**63
 
 
 @dataclass(slots=True)
-class Sampling:
-    max_tokens: int | None  # None: the route's default (see GatewayConfig)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: disabled
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass(slots=True)
 class CompletionRequest:
     model: str | None
     prompt: str | list[int]  # text, or token ids (checked against the vocabulary later)
-    sampling: Sampling
+    max_tokens: int | None  # None: the route's default (gateway.generate resolves it)
+    sampling: SamplingParams  # its max_tokens is set by gateway.generate
     stream: bool = False
     include_usage: bool = False
 
@@ -50,7 +40,8 @@ class CompletionRequest:
 class ChatRequest:
     model: str | None
     messages: list[dict[str, str]]  # role + content (text parts joined)
-    sampling: Sampling
+    max_tokens: int | None  # None: the route's default (gateway.generate resolves it)
+    sampling: SamplingParams  # its max_tokens is set by gateway.generate
     stream: bool = False
     include_usage: bool = False
 
@@ -79,7 +70,8 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     return CompletionRequest(
         model=_model(body),
         prompt=_prompt(body.get("prompt")),
-        sampling=_sampling(body, _opt_int(body, "max_tokens", lo=1)),
+        max_tokens=_opt_int(body, "max_tokens", lo=1),
+        sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage,
     )
@@ -94,7 +86,8 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(
         model=_model(body),
         messages=_messages(body.get("messages")),
-        sampling=_sampling(body, max_tokens),
+        max_tokens=max_tokens,
+        sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage,
     )
@@ -186,20 +179,20 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(include)
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    """Every sampling field but max_tokens, whose name and default depend on the route."""
     n = _opt_int(body, "n")
     if n is not None and n != 1:
         raise bad_request("Only 'n': 1 is supported.", param="n")
     top_k = _opt_int(body, "top_k", lo=-1)
-    return Sampling(
-        max_tokens=max_tokens,
+    return SamplingParams(
         temperature=_opt_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_top_p(body),
         top_k=max(top_k or 0, 0),  # OpenAI-style clients send -1 for "off"; the wire uses 0
         seed=_opt_int(body, "seed"),
-        stop=_stop(body.get("stop")),
-        stop_token_ids=_token_ids(
-            body.get("stop_token_ids"), "stop_token_ids", True, MAX_STOP_TOKEN_IDS
+        stop=tuple(_stop(body.get("stop"))),
+        stop_token_ids=tuple(
+            _token_ids(body.get("stop_token_ids"), "stop_token_ids", True, MAX_STOP_TOKEN_IDS)
         ),
         ignore_eos=_opt_bool(body, "ignore_eos"),
     )

@@ -4,3 +4,4 @@ It imports neither `gateway` nor `worker` (tests/test_layers.py checks that)."""
 
 from protocol.keys import *  # noqa: F403
 from protocol.messages import *  # noqa: F403
+from protocol.sampling import SamplingParams  # noqa: F401

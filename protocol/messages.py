@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
+from protocol.sampling import SamplingParams
+
 PROTOCOL_VERSION = 1
 
 
@@ -50,35 +52,22 @@ class Message:
 
 
 @dataclass(slots=True)
-class SamplingFields:
-    """The sampling parameters as they travel (engine.sampling.SamplingParams mirrors them)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass(slots=True)
 class RequestMessage(Message):
     kind: ClassVar[str] = "request"
 
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingFields as a dict
+    sampling: dict[str, Any]  # SamplingParams.to_dict()
     reply_to: str  # the gateway's reply stream key
     gateway_id: str
     enqueue_time: float  # unix seconds, stamped by the gateway just before XADD
     deadline: float | None = None  # unix seconds; dropped as "expired" if not started by then
 
     @property
-    def sampling_fields(self) -> SamplingFields:
-        return SamplingFields(**self.sampling)
+    def sampling_params(self) -> SamplingParams:
+        """The sampling dict decoded and validated (ValueError if it is not valid)."""
+        return SamplingParams.from_dict(self.sampling)
 
 
 @dataclass(slots=True)

@@ -1,5 +1,8 @@
 """The wire protocol: messages round-trip, versions are checked, model cards rebuild tokenizers."""
 
+import json
+import re
+
 import pytest
 
 from engine.tiny_model import build_tiny_tokenizer
@@ -10,6 +13,7 @@ from protocol import (
     ProtocolError,
     ReplyMessage,
     RequestMessage,
+    SamplingParams,
 )
 from protocol.model_card import card_from_tokenizer, tokenizer_from_card
 
@@ -28,10 +32,59 @@ def test_messages_round_trip_through_stream_fields():
     )
     raw = {k.encode(): v.encode() for k, v in req.encode().items()}
     assert RequestMessage.decode(raw) == req
-    assert req.sampling_fields.max_tokens == 5 and req.sampling_fields.stop == ["x"]
+    assert req.sampling_params == SamplingParams(max_tokens=5, stop=("x",))
     reply = ReplyMessage("r1", 3, [7], "hi", finish_reason="stop", prompt_tokens=3)
     assert ReplyMessage.decode(reply.encode()) == reply and reply.is_final
     assert CancelMessage.decode(CancelMessage("r1").encode()).reason == "client_gone"
+
+
+def test_sampling_params_travel_as_a_dict_and_come_back_equal():
+    """to_dict is plain JSON (lists, floats); from_dict gives back the same frozen value."""
+    params = SamplingParams(
+        max_tokens=9,
+        temperature=1,
+        top_p=0.5,
+        top_k=3,
+        seed=2**64 - 1,
+        stop=("a", "b"),
+        stop_token_ids=(4,),
+        ignore_eos=True,
+    )
+    wire = json.loads(json.dumps(params.to_dict()))
+    assert wire["stop"] == ["a", "b"] and isinstance(wire["temperature"], float)
+    assert SamplingParams.from_dict(wire) == params
+    assert SamplingParams.from_dict({}) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": True}, "max_tokens must be an integer, got bool"),
+        ({"max_tokens": "5"}, "max_tokens must be an integer, got str"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.0}, "top_k must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer or null"),
+        ({"seed": 2**64}, "seed must fit in 64 bits"),
+        ({"stop": "x"}, "stop must be a list of strings"),
+        ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"stop": [1]}, "stop must be a list of strings"),
+        ({"stop_token_ids": [1, -2]}, "stop_token_ids must be >= 0"),
+        ({"stop_token_ids": [[1]]}, "stop_token_ids must be a list of integers"),
+        ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
+        ({"temprature": 1}, "unknown sampling field"),
+        ([1, 2], "sampling must be an object"),
+    ],
+)
+def test_bad_sampling_fields_are_refused_naming_the_field(data, message):
+    """Out-of-range, ill-typed and unknown fields raise ValueError (the worker's error reply)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams.from_dict(data)
 
 
 def test_wrong_version_or_garbage_is_refused():

@@ -23,7 +23,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.llm_engine import Engine
-    from engine.sampling import SamplingParams
+    from protocol import SamplingParams
+
+    try:  # before the model loads: a bad value fails in a moment, not after it
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+    except ValueError as e:
+        raise SystemExit(f"generate: {e}") from None
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -42,14 +54,6 @@ def run(args: argparse.Namespace) -> int:
             )
             for p in args.prompts
         ]
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -1,75 +1,217 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds, parameter validation."""
+"""The batched sampler: greedy, temperature, top-k, top-p, counter-based seeds, distributions."""
+
+import math
+from collections import Counter
+from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 import torch
 
-from engine.sampling import SamplerState, SamplingParams, sample
+from engine.sampling import random_bits, sample, with_seed
+from protocol import SamplingParams
 
 CPU = torch.device("cpu")
+DRAWS = 20_000  # draws per distribution check: one batched call, one row per position
+SIGMAS = 5.0  # a token's frequency may be this many binomial standard deviations off
 
 
 def logits_rows(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed))
 
 
+def draws(row: torch.Tensor, params: SamplingParams, n: int = DRAWS) -> list[int]:
+    """n draws of one request from one row of logits: positions 0..n-1, in one batch."""
+    return sample(row.expand(n, -1), [params] * n, range(n))
+
+
 def test_greedy_picks_the_argmax():
-    """temperature 0 is argmax, row by row."""
-    logits = logits_rows(4)
-    states = [SamplerState.create(SamplingParams(temperature=0), CPU) for _ in range(4)]
-    assert sample(logits, states) == logits.argmax(-1).tolist()
+    """temperature 0 and top_k 1 are argmax, also next to sampled rows."""
+    logits = logits_rows(6)
+    greedy = [SamplingParams(temperature=0), SamplingParams(top_k=1, seed=3)]
+    assert sample(logits, greedy * 3, [0] * 6) == logits.argmax(-1).tolist()
+    mixed = [greedy[0], SamplingParams(seed=1), greedy[1]] * 2
+    tokens = sample(logits, mixed, range(6))
+    assert [tokens[i] for i in (0, 2, 3, 5)] == logits.argmax(-1)[[0, 2, 3, 5]].tolist()
 
 
 def test_same_seed_same_tokens_whatever_the_batch():
-    """A seeded request draws the same sequence alone or next to other requests."""
+    """A seeded request draws the same tokens alone or beside greedy, top-k and top-p rows."""
     params = SamplingParams(temperature=1.0, seed=1234)
-    logits = logits_rows(1, seed=3)
-    alone = SamplerState.create(params, CPU)
-    batched = SamplerState.create(params, CPU)
-    others = [SamplerState.create(SamplingParams(temperature=0.7), CPU) for _ in range(3)]
-    seq_alone = [sample(logits, [alone])[0] for _ in range(20)]
-    seq_batched = []
-    for step in range(20):
-        rows = torch.cat([logits_rows(3, seed=100 + step), logits])
-        seq_batched.append(sample(rows, [*others, batched])[-1])
-    assert seq_alone == seq_batched
-    assert len(set(seq_alone)) > 1  # it really samples
+    row = logits_rows(1, seed=3)
+    alone = [sample(row, [params], [pos])[0] for pos in range(20)]
+    others = [
+        SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=4, seed=6),
+        SamplingParams(top_p=0.8, seed=7),
+    ]
+    batched = []
+    for pos in range(20):
+        rows = torch.cat([logits_rows(2, seed=100 + pos), row, logits_rows(2, seed=200 + pos)])
+        mates = others[pos % 4 :] + others[: pos % 4]
+        batched.append(sample(rows, [*mates[:2], params, *mates[2:]], [7, 0, pos, 3, 9])[2])
+    assert alone == batched
+    assert len(set(alone)) > 1  # it really samples
 
 
-def test_top_k_one_is_greedy_and_top_k_limits_choices():
-    """top_k=k only ever picks among the k largest logits."""
-    logits = logits_rows(1, seed=5)
-    top3 = set(torch.topk(logits[0], 3).indices.tolist())
-    state = SamplerState.create(SamplingParams(temperature=2.0, top_k=3, seed=0), CPU)
-    picks = {sample(logits, [state])[0] for _ in range(200)}
-    assert picks <= top3 and len(picks) > 1
-    greedy = SamplerState.create(SamplingParams(top_k=1), CPU)
-    assert sample(logits, [greedy]) == logits.argmax(-1).tolist()
+def test_the_draw_depends_on_seed_and_position_only():
+    """Position p's draw is the same however the stream got there (a takeover resumes at p),
+    and another seed gives another stream."""
+    row = logits_rows(1, seed=4).expand(40, -1)
+    params = [SamplingParams(seed=9)] * 40
+    whole = sample(row, params, range(40))
+    assert sample(row[:15], params[:15], range(25, 40)) == whole[25:]
+    assert sample(row, [SamplingParams(seed=10)] * 40, range(40)) != whole
+
+
+def test_top_k_never_picks_a_cut_token():
+    """top_k=k only ever picks among the k largest logits, and uses all of them."""
+    row = logits_rows(1, seed=5)[0]
+    top3 = set(torch.topk(row, 3).indices.tolist())
+    picks = set(draws(row, SamplingParams(temperature=2.0, top_k=3, seed=0), 2000))
+    assert picks == top3
+
+
+def test_top_k_keeps_ties_with_the_kth_logit():
+    """Tokens tied with the k-th largest logit are all kept (the cut is by value)."""
+    row = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0, 0.0])
+    picks = set(draws(row, SamplingParams(top_k=2, seed=1), 2000))
+    assert picks == {0, 1, 2, 3}
 
 
 def test_top_p_keeps_the_nucleus_only():
-    """With one token holding 90% of the mass, top_p=0.5 always picks it."""
-    logits = torch.full((1, 10), -5.0)
-    logits[0, 7] = 5.0
-    state = SamplerState.create(SamplingParams(temperature=1.0, top_p=0.5, seed=1), CPU)
-    assert {sample(logits, [state])[0] for _ in range(100)} == {7}
-    flat = torch.zeros((1, 10))
-    state = SamplerState.create(SamplingParams(temperature=1.0, top_p=0.35, seed=1), CPU)
-    assert len({sample(flat, [state])[0] for _ in range(300)}) == 4  # 4 × 10% reaches 35%
+    """With one token holding 90% of the mass, top_p=0.5 always picks it; otherwise the fewest
+    tokens, largest first, whose mass reaches top_p."""
+    logits = torch.full((10,), -5.0)
+    logits[7] = 5.0
+    assert set(draws(logits, SamplingParams(top_p=0.5, seed=1), 500)) == {7}
+    probs = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])
+    # Sorted: 0.3, 0.25, 0.2, then two of 0.1 (tied: both stay or neither), then 0.05.
+    for top_p, nucleus in [(0.25, {1}), (0.5, {1, 3}), (0.6, {1, 3, 4}), (0.8, {0, 1, 3, 4, 5})]:
+        params = SamplingParams(top_p=top_p, seed=2)
+        assert set(draws(probs.log(), params, 3000)) == nucleus, top_p
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
+    """The cut is a logit threshold: tokens tied with the last token kept all stay, so which of
+    them stays never depends on sort order (device, batch)."""
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    assert set(draws(probs.log(), SamplingParams(top_p=0.5, seed=3), 2000)) == {0, 1, 2, 3}
+    assert set(draws(probs.log(), SamplingParams(top_p=0.4, seed=3), 500)) == {0}
+
+
+def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
+    """The distribution a request should sample from, in plain Python: softmax(logits / T),
+    top-k, then the fewest tokens, largest first, whose mass reaches top_p (ties kept)."""
+    scaled = [x / params.temperature for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    if params.top_k:
+        kth = scaled[order[min(params.top_k, len(order)) - 1]]
+        order = [i for i in order if scaled[i] >= kth]
+    weights = {i: math.exp(scaled[i] - scaled[order[0]]) for i in order}
+    total = sum(weights.values())
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= params.top_p:
+            break
+        kept.append(i)
+        mass += weights[i] / total
+    kept = [i for i in order if scaled[i] >= scaled[kept[-1]]]
+    norm = sum(weights[i] for i in kept)
+    return [weights[i] / norm if i in kept else 0.0 for i in range(len(logits))]
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    "params",
     [
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"temperature": -1}, "temperature"),
-        ({"temperature": float("nan")}, "temperature"),
-        ({"top_p": 0}, "top_p"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
-        ({"stop": ("",)}, "stop"),
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.5, seed=12),
+        SamplingParams(temperature=1.7, seed=13),
+        SamplingParams(temperature=1.0, top_k=4, seed=14),
+        SamplingParams(temperature=0.8, top_p=0.7, seed=15),
+        SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=16),
     ],
+    ids=["t1", "t0.5", "t1.7", "top-k", "top-p", "top-k+top-p"],
 )
-def test_bad_parameters_are_refused(kwargs, message):
-    """Out-of-range sampling parameters raise ValueError naming the field."""
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
+def test_draws_follow_the_filtered_distribution(params):
+    """20,000 seeded draws: each token's frequency is within 5 binomial standard deviations
+    of its probability after temperature, top-k and top-p, and cut tokens never appear."""
+    logits = [1.5, 0.2, -0.4, 2.0, 0.9, -1.3, 0.0, 1.1]
+    expected = reference_probs(logits, params)
+    counts = Counter(draws(torch.tensor(logits), params))
+    for token, p in enumerate(expected):
+        freq = counts[token] / DRAWS
+        if p == 0:
+            assert counts[token] == 0, f"token {token} was cut but drawn"
+        else:
+            sigma = math.sqrt(p * (1 - p) / DRAWS)
+            assert abs(freq - p) <= SIGMAS * sigma, (token, freq, p)
+
+
+def test_consecutive_positions_and_seeds_are_independent():
+    """Pairs (position i, i+1) of one seed, and (seed s, s+1) at one position, are spread over
+    the 4 × 4 outcomes of a flat 4-token distribution as independence predicts: chi-square
+    with 15 degrees of freedom below 40 (p ≈ 0.0005)."""
+    flat = torch.zeros(4)
+    one_seed = draws(flat, SamplingParams(seed=21), DRAWS + 1)
+    seeds = [SamplingParams(seed=s) for s in range(DRAWS + 1)]
+    one_position = sample(flat.expand(DRAWS + 1, -1), seeds, [5] * (DRAWS + 1))
+    for stream in (one_seed, one_position):
+        pairs = Counter(pairwise(stream))
+        expected = DRAWS / 16
+        chi2 = sum((pairs[(a, b)] - expected) ** 2 / expected for a in range(4) for b in range(4))
+        assert chi2 < 40, chi2
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer on plain integers: the reference for the tensor version."""
+    m = (1 << 64) - 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def test_random_bits_match_a_plain_integer_reference():
+    """The tensor hash (int64, wrapping) gives the bits unsigned 64-bit arithmetic gives, for
+    seeds anywhere in the 64-bit range: the same on every device."""
+    golden, m = 0x9E3779B97F4A7C15, (1 << 64) - 1
+    seeds, positions, vocab = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, -5], [0, 3, 17, 1, 900, 2], 7
+    bits = random_bits(seeds, positions, vocab, CPU).tolist()
+    for row, (seed, pos) in enumerate(zip(seeds, positions, strict=True)):
+        key = _mix64((seed & m) ^ _mix64((pos * golden + 1) & m))
+        expected = [_mix64((key + t * golden) & m) >> 32 for t in range(vocab)]
+        assert bits[row] == expected
+
+
+def test_unseeded_requests_get_a_seed_and_sampled_rows_need_one():
+    """with_seed draws a seed for a sampled request (greedy ones need none); sample refuses a
+    sampled row without one."""
+    seeded = with_seed(SamplingParams(temperature=0.9))
+    assert seeded.seed is not None and seeded.temperature == 0.9
+    assert with_seed(SamplingParams(seed=4)).seed == 4
+    assert with_seed(SamplingParams(temperature=0)).seed is None
+    with pytest.raises(ValueError, match="seed"):
+        sample(logits_rows(1), [SamplingParams()], [0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_and_cuda_draw_the_same_tokens():
+    """The same bits on both devices, and the same tokens but where two tokens' scores tie to
+    within float rounding (softmax and log1p may round differently): at most 2 rows of 512."""
+    logits = logits_rows(512, vocab=4096, seed=8)
+    params = [
+        SamplingParams(temperature=0.3 + (i % 7) * 0.2, top_k=(i % 3) * 20, top_p=1 - (i % 4) / 8)
+        for i in range(512)
+    ]
+    params = [replace(p, seed=i) for i, p in enumerate(params)]
+    positions = list(range(512))
+    cuda = torch.device("cuda")
+    assert random_bits([1, 2], [3, 4], 4096, CPU).tolist() == (
+        random_bits([1, 2], [3, 4], 4096, cuda).tolist()
+    )
+    on_cpu = sample(logits, params, positions)
+    on_cuda = sample(logits.to(cuda), params, positions)
+    assert sum(a != b for a, b in zip(on_cpu, on_cuda, strict=True)) <= 2

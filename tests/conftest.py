@@ -2,12 +2,51 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import pytest
 
 from scheduler import BatchingPolicy, KVBlockManager, SchedulerConfig, make_policy
+from tests import processes
+from tests.processes import LeakWatch
 from tests.services import RedisServer
+
+LEAK_WATCH = pytest.StashKey[LeakWatch]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leak_watch(request: pytest.FixtureRequest) -> Iterator[LeakWatch]:
+    """Fails the run if a gateway, worker, `jitney up`, redis-server, prometheus or nginx the
+    run started outlives its test (the teardown hook below checks after each test; this, after
+    the last). Orphans count: pytest adopts them as a child subreaper."""
+    processes.become_subreaper()
+    watch = request.config.stash.setdefault(LEAK_WATCH, LeakWatch())
+    yield watch
+    watch.closed = True
+    report = watch.after_test(scope_ends=True)
+    if report:
+        pytest.fail(report, pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.config.stash.setdefault(LEAK_WATCH, LeakWatch()).current = item.nodeid
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator:
+    """After each test's teardown: what it started must be gone by the end of its module (at
+    once when the next test is in another module); a leak fails this test's teardown."""
+    result = yield
+    watch = item.config.stash.get(LEAK_WATCH, None)
+    if watch is None or watch.closed:  # the last test: the session fixture checked already
+        return result
+    module = item.getparent(pytest.Module)
+    scope_ends = nextitem is None or nextitem.getparent(pytest.Module) is not module
+    report = watch.after_test(scope_ends)
+    if report:
+        pytest.fail(report, pytrace=False)
+    return result
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,16 +30,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+def http_status(url: str, timeout: float = 2) -> int:
+    """The HTTP status of a GET, error statuses included; OSError when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def serving(base: str) -> bool:
+    """The gateway at `base` is ready and lists a model. /ready alone is not enough before a
+    request: it reads the worker heartbeats in Redis, while the request path reads the model
+    registry, which finds a new worker's card up to its miss re-read interval (0.5 s) later and
+    answers 503 no_workers meanwhile."""
+    if http_status(f"{base}/ready") != 200:
+        return False
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as response:
+        return bool(json.load(response)["data"])
+
+
+# What a service not up yet (or restarting) answers: connection refused or reset, a 503 (urllib's
+# HTTPError is an OSError), Redis loading or not listening. Only these mean "not yet".
+TRANSIENT: tuple[type[Exception], ...] = (OSError, redis.ConnectionError, redis.TimeoutError)
+
+
+def wait_for(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    transient: tuple[type[Exception], ...] = TRANSIENT,
+) -> None:
+    """Poll `check` until it returns true. A `transient` error counts as "not yet"; any other
+    exception (above all an assertion in `check`, such as `assert proc.alive(), proc.output()`)
+    fails at once, so a crashed process costs no timeout and shows its log."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    last: Exception | None = None
+    while True:
         try:
             if check():
                 return
-        except Exception:
-            pass
+            last = None
+        except transient as e:
+            last = e
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {type(last).__name__}: {last})" if last else ""
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}{detail}")
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
 
 
 class RedisServer:
@@ -75,9 +115,19 @@ class RedisServer:
             str(self.dir),
             *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: self.client().ping(), 10, f"redis-server on port {self.port}")
+        with open(self.dir / "redis.log", "ab") as log:  # its log goes to stdout
+            self.proc = proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+        def up() -> bool:
+            assert proc.poll() is None, f"redis-server exited:\n{self.output()}"
+            return bool(self.client().ping())
+
+        wait_for(up, 10, f"redis-server on port {self.port}")
         return self
+
+    def output(self) -> str:
+        path = self.dir / "redis.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=2)
@@ -135,8 +185,14 @@ class Worker:
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            # A dead worker fails the test with its log at once (in wait_for too), rather than
+            # being polled until a timeout.
+            assert self.proc.alive(), f"{self.worker_id} exited:\n{self.proc.output()}"
+            raise
         return sum(
             sample.value
             for family in text_string_to_metric_families(text)
@@ -188,10 +244,9 @@ class Gateway:
     def wait_ready(self, timeout: float = 60) -> None:
         def ready() -> bool:
             assert self.proc.alive(), self.proc.output()
-            with urllib.request.urlopen(f"{self.base}/ready", timeout=2) as resp:
-                return resp.status == 200
+            return serving(self.base)
 
-        wait_for(ready, timeout, "gateway /ready")
+        wait_for(ready, timeout, "gateway /ready and a model listed")
 
 
 @dataclass

@@ -3,12 +3,15 @@
 Each part runs as its own process, exactly as in a cluster (`jitney gateway`, `jitney worker`);
 this command starts them, shows the model loading, prints where to send requests, restarts a part
 that dies (as Kubernetes would: a dead worker's requests are meanwhile taken over by the others,
-or by its replacement), and stops everything in reverse order on Ctrl-C.
+or by its replacement), and stops everything in reverse order on Ctrl-C. Killed outright, it
+takes its parts along (on Linux: see `die_with_parent`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -19,7 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -30,6 +33,7 @@ READY_TIMEOUT_S = 600  # the first start may convert the bundled GGUF model (abo
 # A part that dies this many times within CRASH_WINDOW_S is crash-looping: stop everything.
 MAX_RESTARTS = 5
 CRASH_WINDOW_S = 60.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +53,39 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@functools.cache
+def libc_prctl() -> Callable[..., int] | None:
+    """libc's prctl (Linux only, else None), loaded once in the parent: a forked child should
+    only call it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking the kernel to SIGTERM the child when `up` dies, however it dies
+    (SIGKILL, OOM killer): the parts then stop as on Ctrl-C, only not in order, and nothing
+    outlives `up`. Linux only (prctl PR_SET_PDEATHSIG); None elsewhere, where only an orderly
+    stop (Ctrl-C, SIGTERM) stops the parts.
+
+    The signal comes when the *thread* that started the child exits: `up` starts every part
+    from its main thread."""
+    prctl = libc_prctl()
+    if prctl is None:
+        return None
+    parent, sig = os.getpid(), int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # `up` died before prctl took effect: no signal will come
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 @contextmanager
@@ -81,6 +118,7 @@ def private_redis() -> Iterator[str]:
         # Its own session: a terminal's Ctrl-C reaches only `up`, which stops Redis last, after
         # the workers have delivered or handed back their requests.
         start_new_session=True,
+        preexec_fn=die_with_parent(),
     )
     try:
         yield f"redis://127.0.0.1:{port}/0"
@@ -109,6 +147,7 @@ class Part:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
 
         def echo() -> None:

@@ -120,10 +120,13 @@ async def test_rejected_requests_count_as_failed_with_reason(base, tmp_path):
 async def test_max_duration_cancels_the_rest(base, tmp_path):
     """A long request in flight is cancelled, a late one never sent; both count as failed."""
     lens = [3, max_model_len(base) - 45, 4]  # thousands of tokens: far more than 1 s of decoding
-    trace = load_trace(write_trace(tmp_path / "t.json", lens, arrivals=[0.0, 0.0, 30.0]))
-    report = await run_serve(base, trace, arrivals="trace", max_duration=1.0)
-    assert report["wall_s"] < 5
+    late_at, max_duration = 30.0, 1.0
+    trace = load_trace(write_trace(tmp_path / "t.json", lens, arrivals=[0.0, 0.0, late_at]))
+    report = await run_serve(base, trace, arrivals="trace", max_duration=max_duration)
+    # The counts below prove the cut; the wall time only shows the run did not wait for the late
+    # arrival (the margin up to it is for a loaded 2-core machine).
+    assert report["wall_s"] < late_at
     assert report["completed"] == 1 and report["failures"] == {CANCELLED: 1, NOT_SENT: 1}
     long, late = report["requests"][1:]
-    assert long["start_s"] < 0.5 and long["end_s"] >= 1.0 and long["e2e_s"] is None
+    assert long["start_s"] < max_duration <= long["end_s"] and long["e2e_s"] is None
     assert late["start_s"] is None and report["output_tokens"] == 3

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from tests.services import (
     RedisServer,
     Worker,
     free_port,
+    serving,
     start_worker,
     wait_for,
     wait_ready,
@@ -61,10 +61,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
             def ready(port: int = port, proc: JitneyProcess = proc) -> bool:
                 assert proc.alive(), proc.output()
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                    return r.status == 200
+                return serving(f"http://127.0.0.1:{port}")
 
-            wait_for(ready, 60, f"gateway :{port} /ready")
+            wait_for(ready, 60, f"gateway :{port} /ready and its model listed")
         lb.start()
         yield Stack(lb, workers, gateways)
     finally:

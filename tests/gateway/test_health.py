@@ -50,8 +50,12 @@ async def test_models_lists_cards_of_live_workers(
     client = await make_client()
     assert (await (await client.get("/v1/models")).json())["data"] == []
     heartbeat(sync_redis)
-    await asyncio.sleep(1.05)  # the registry re-reads at most once a second
-    out = await (await client.get("/v1/models")).json()
+
+    async def listed() -> dict | None:  # the registry re-reads at most once a second
+        out = await (await client.get("/v1/models")).json()
+        return out if out["data"] else None
+
+    out = await eventually(listed)
     assert out["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in out["data"]] == [
         ("tiny", "model", MAX_MODEL_LEN)

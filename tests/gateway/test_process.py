@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import redis
 
 from protocol import ModelCard, ReplyMessage
 from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, heartbeat, publish_card
-from tests.services import JitneyProcess, RedisServer, free_port, wait_for
+from tests.services import JitneyProcess, RedisServer, free_port, http_status, wait_for
 
 NO_TORCH_SCRIPT = """
 import sys
@@ -60,8 +59,13 @@ async def test_jitney_gateway_process_serves_and_cancels(
     env = {"REDIS_URL": redis_server.url, "JITNEY_GATEWAY_ID": "gw-proc"}
     proc = JitneyProcess(["gateway", "--port", str(port), "--host", "127.0.0.1"], env, "gateway")
     base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.alive(), proc.output()
+        return http_status(f"{base}/ready") == 200
+
     try:
-        await asyncio.to_thread(wait_for, lambda: _get(f"{base}/ready") == 200, 60, "gateway ready")
+        await asyncio.to_thread(wait_for, ready, 60, "gateway ready")
         assert served.zscore(KEYS.gateways, "gw-proc") is not None
         async with aiohttp.ClientSession() as session:
             body = {"prompt": "PROMPT-9c1e", "stream": True}
@@ -105,15 +109,3 @@ async def test_stalled_redis_gives_503_not_a_hang(
     heartbeat(served)
     publish_card(served, card)
     assert (await client.get("/ready")).status == 200
-
-
-def _get(url: str) -> int:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            json.load(response)
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from bench.prom_report import KEY_SERIES, Prometheus
+from bench.prom_report import KEY_SERIES, Prometheus, PrometheusError
 from bench.serve import run_serve
 from bench.trace import TraceRequest
 from jitney.cli import main
@@ -36,7 +36,7 @@ from tests.observability.helpers import (
     variable_queries,
     write_rules_file,
 )
-from tests.services import JitneyProcess, RedisServer, free_port, wait_for
+from tests.services import TRANSIENT, JitneyProcess, RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +45,7 @@ MAX_NUM_SEQS = 4  # small, so the load fills every batch and queues up in the st
 CLIENTS = 3 * MAX_NUM_SEQS
 RATE_WINDOW = "4s"  # Grafana's $__rate_interval at a 1 s scrape interval: 4 × 1 s
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PROMETHEUS_DOWN = (*TRANSIENT, PrometheusError)  # the client wraps connection errors in it
 
 
 @dataclass
@@ -150,7 +151,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         workers = sorted(w.decode() for w in server.client().zrange(Keys().workers, 0, -1))
         assert len(workers) == WORKERS, workers
         api = prometheus.api()
-        wait_for(lambda: scalar(api, "sum(up)") == 1 + WORKERS, 30, "prometheus scraping all")
+        wait_for(
+            lambda: scalar(api, "sum(up)") == 1 + WORKERS,
+            30,
+            "prometheus scraping all",
+            transient=PROMETHEUS_DOWN,
+        )
         start = time.time()
         # Closed loop with more clients than the two workers have slots: every batch stays
         # full and the rest waits in the stream, whatever the speed of this machine.
@@ -162,6 +168,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             lambda: scalar(api, "sum(jitney_generation_tokens_total)") == served["output_tokens"],
             30,
             "prometheus to scrape the final token counts",
+            transient=PROMETHEUS_DOWN,
         )
         yield Live(prometheus, api, start - 2, time.time() + 1, served, workers, rules_error)
     finally:
@@ -224,13 +231,15 @@ def test_alert_rules_load_and_evaluate_on_live_metrics(live):
         assert not missing, f"alert {rule['alert']}: no such series on Prometheus: {missing}"
         live.api.query(str(rule["expr"]))  # raises PrometheusError when it does not evaluate
 
-    def evaluated() -> list[dict[str, Any]]:
-        loaded = [r for g in live.api.get("/api/v1/rules")["groups"] for r in g["rules"]]
-        assert all(r["lastEvaluation"] > "2000" for r in loaded)  # "0001-01-01...": not yet
-        return loaded
+    def loaded_rules() -> list[dict[str, Any]]:
+        return [r for g in live.api.get("/api/v1/rules")["groups"] for r in g["rules"]]
 
-    wait_for(lambda: bool(evaluated()), 30, "every rule evaluated once")
-    loaded = evaluated()
+    def evaluated() -> bool:  # a lastEvaluation of "0001-01-01..." means not yet
+        loaded = loaded_rules()
+        return bool(loaded) and all(r["lastEvaluation"] > "2000" for r in loaded)
+
+    wait_for(evaluated, 30, "every rule evaluated once", transient=PROMETHEUS_DOWN)
+    loaded = loaded_rules()
     assert sorted(r["name"] for r in loaded if r["type"] == "alerting") == sorted(
         r["alert"] for r in alerts
     )

@@ -27,7 +27,6 @@ def test_finished_leave_and_waiting_join_in_the_same_step(make_scheduler):
     assert [s.seq_id for s in released] == ["r0"]
     plan, _ = run_step(sched)
     assert plan.decode_seq_ids == ["r1"] and list(plan.prefill_chunks) == ["r2"]
-    assert plan.finished_seq_ids == ["r0"]
 
 
 def test_chunked_prefill_shares_the_budget_with_decodes(make_scheduler):
@@ -155,7 +154,7 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is(make_scheduler):
     assert sched.abort("wait") is None  # idempotent
     assert not sched.has_unfinished()
     plan, _ = run_step(sched)
-    assert plan.finished_seq_ids == ["run", "wait"]
+    assert plan.is_empty
 
 
 def test_abort_while_the_step_runs_is_ignored_by_update(make_scheduler):
@@ -172,8 +171,13 @@ def test_infeasible_request_is_rejected_with_numbers(make_scheduler):
     sched = make_scheduler(num_blocks=4, block_size=4)
     with pytest.raises(InfeasibleRequestError, match=r"needs 19 tokens .* 5 blocks .* has 4"):
         sched.add_request(make_seq("big", prompt_len=10, max_tokens=10))
-    sched.add_request(make_seq("ok", prompt_len=10, max_tokens=7))  # 16 tokens: exactly fits
-    assert not sched.has_unfinished() or sched.waiting
+    ok = make_seq("ok", prompt_len=10, max_tokens=7)  # 16 tokens: exactly fits
+    sched.add_request(ok)
+    assert list(sched.seqs) == ["ok"] and [s.seq_id for s in sched.waiting] == ["ok"]
+    for _ in range(7):  # admitted and run to its end in the 4 blocks
+        run_step(sched)
+    assert ok.status is SequenceStatus.FINISHED_LENGTH and ok.num_output_tokens == 7
+    assert not sched.has_unfinished()
 
 
 def test_stop_token_and_stop_string_finish_as_stop(make_scheduler):

@@ -14,7 +14,7 @@ import redis
 from engine.model_loader import load_model
 from protocol import WORKER_GROUP, Keys
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
-from tests.services import Worker, running_system, start_worker, wait_for
+from tests.services import Worker, http_status, running_system, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 KEYS = Keys()
@@ -245,8 +245,11 @@ async def test_gateway_sigterm_drains_open_streams_then_exits():
                 wait_for, lambda: worker.metric("jitney_requests_running") == 1, 30, "streaming"
             )
             gateway.proc.proc.terminate()
-            await asyncio.sleep(0.3)
-            async with session.get(f"{system.base}/ready") as resp:
+            ready_url = f"{system.base}/ready"
+            await asyncio.to_thread(
+                wait_for, lambda: http_status(ready_url) == 503, 10, "/ready off while draining"
+            )
+            async with session.get(ready_url) as resp:
                 assert resp.status == 503 and (await resp.json())["reason"] == "shutting down"
             async with session.post(f"{system.base}/v1/completions", json=body) as resp:
                 assert resp.status == 503 and resp.headers["Retry-After"] == "1"

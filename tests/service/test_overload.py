@@ -29,6 +29,7 @@ DURATION_S = float(os.environ.get("JITNEY_OVERLOAD_S", "30"))
 MAX_TOKENS = 32
 MAX_NUM_SEQS = 4
 MAX_QUEUE_LEN = 8
+STEP_DELAY_S = 0.010  # a slow device: capacity is steps, not CPU
 BODY = {
     "model": MODEL,
     "prompt": "overload",
@@ -60,7 +61,7 @@ async def post(session: aiohttp.ClientSession, url: str) -> Outcome:
 
 async def test_twice_the_capacity_gets_fast_429s_and_loses_nothing():
     flags = ("--max-num-seqs", str(MAX_NUM_SEQS))
-    slow = {"JITNEY_FAILPOINTS": "step_delay_ms=10"}  # a slow device: capacity is steps, not CPU
+    slow = {"JITNEY_FAILPOINTS": f"step_delay_ms={STEP_DELAY_S * 1000:g}"}
     gateway_flags = ("--max-queue-len", str(MAX_QUEUE_LEN))
     with running_system(("ov1",), flags, slow, gateway_flags=gateway_flags) as system:
         url = f"{system.base}/v1/completions"
@@ -109,10 +110,17 @@ async def test_twice_the_capacity_gets_fast_429s_and_loses_nothing():
     assert len(admitted) + len(refused) == len(outcomes)  # no 5xx, no other outcome
     assert all(o.completion_tokens == MAX_TOKENS for o in admitted)  # nothing cut short
     assert len(refused) > len(outcomes) / 4  # it really was overloaded
-    # A served request waits behind at most a full queue, then runs: bounded by configuration.
+    # A served request waits behind at most a full queue and the running batch, then runs. The
+    # capacity was measured on this machine just before, so the bound follows its speed; the
+    # factor 2 and the added second are the margin for a loaded 2-core machine (capacity drifts
+    # while the gateway also answers the refusals). Here: p99 1.6-2.0 s, bound about 3.9 s.
     worst_wait_s = (MAX_QUEUE_LEN + MAX_NUM_SEQS) / capacity
     assert p99_admitted < 2 * worst_wait_s + 1.0
-    assert p99_refused < 0.5
+    # A refusal waits for no slot: it comes before even the quickest service of one request
+    # could end (MAX_TOKENS steps of the step delay: 0.32 s). Here: p99 4-7 ms.
+    assert p99_refused < MAX_TOKENS * STEP_DELAY_S
+    # Memory does not follow the machine's load: absolute bounds. Over the ~500 requests of the
+    # default 30 s, 50 MiB catches a leak of 100 KiB a request; allocator noise is under 1 MiB.
     assert gateway_growth < 50 * 1024  # KiB
     assert redis_growth < 2 * 1024  # KiB: reply streams trimmed, finished entries deleted
 

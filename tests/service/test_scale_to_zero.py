@@ -28,7 +28,13 @@ async def test_requests_wait_in_the_queue_for_the_first_worker():
         gateway.wait_ready()  # ready with Redis alone
         with urllib.request.urlopen(f"{gateway.base}/ready", timeout=5) as resp:
             assert json.load(resp)["workers"] == 0
-        body = {"model": "tiny-random", "prompt": "wake up", "max_tokens": 4, "temperature": 0}
+        body = {
+            "model": "tiny-random",
+            "prompt": "wake up",
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,  # the length is counted below
+        }
         async with aiohttp.ClientSession() as session:
             call = asyncio.create_task(session.post(f"{gateway.base}/v1/completions", json=body))
             await asyncio.to_thread(

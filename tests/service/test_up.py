@@ -1,4 +1,5 @@
-"""`jitney up`: one command starts Redis, a gateway and a worker; SIGTERM stops all of them."""
+"""`jitney up`: one command starts Redis, a gateway and a worker; SIGTERM stops all of them, and
+so does the kernel when `up` is killed outright."""
 
 from __future__ import annotations
 
@@ -6,49 +7,57 @@ import json
 import os
 import re
 import signal
+import sys
 import urllib.request
 
+import pytest
 import redis
 
-from tests.services import JitneyProcess, free_port, wait_for
+from tests import processes
+from tests.services import JitneyProcess, free_port, serving, wait_for
+
+# Greedy with EOS ignored: a counted length cannot come out short on the tiny random model.
+EXACT = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+# Idle parts exit a second or two after their SIGTERM; the rest is margin for a loaded 2-core
+# machine, still well under the 90 s `up` itself grants a part to drain.
+PARTS_EXIT_S = 30
+
+
+def start_up(port: int, metrics_port: int | None = None) -> JitneyProcess:
+    """`jitney up` with one tiny-random worker and a private redis-server."""
+    args = ["up", "--model", "tiny-random", "--port", str(port), "--kv-cache-memory", "16MiB"]
+    args += ["--metrics-port", str(metrics_port or free_port())]
+    return JitneyProcess(args, {"REDIS_URL": ""}, name="up")
+
+
+def wait_until_ready(up: JitneyProcess, base: str, timeout: float = 120) -> None:
+    def ready() -> bool:
+        assert up.alive(), up.output()
+        return serving(base)
+
+    wait_for(ready, timeout, "jitney up to be ready")
+
+
+def post(base: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        f"{base}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.load(resp)
 
 
 def test_up_serves_a_chat_request_and_stops_everything_on_sigterm():
     """A chat request succeeds through the stack `jitney up` starts; SIGTERM exits 0 and leaves
     no gateway, worker or private Redis behind."""
     port, metrics_port = free_port(), free_port()
-    up = JitneyProcess(
-        [
-            "up",
-            "--model",
-            "tiny-random",
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
-            "--kv-cache-memory",
-            "16MiB",
-        ],
-        {"REDIS_URL": ""},
-        name="up",
-    )
+    up = start_up(port, metrics_port)
     base = f"http://127.0.0.1:{port}"
     try:
-
-        def ready() -> bool:
-            assert up.alive(), up.output()
-            with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
-                return resp.status == 200
-
-        wait_for(ready, 120, "jitney up to be ready")
+        wait_until_ready(up, base)
         wait_for(lambda: "Jitney is up" in up.output(), 10, "the banner with the URL")
-        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-        req = urllib.request.Request(
-            f"{base}/v1/chat/completions", body.encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            reply = json.load(resp)
-        assert reply["usage"]["completion_tokens"] == 4
+        chat = {"messages": [{"role": "user", "content": "hi"}], **EXACT}
+        reply = post(base, "/v1/chat/completions", chat)
+        assert reply["usage"]["completion_tokens"] == EXACT["max_tokens"]
         redis_url = next(
             line.split(" at ", 1)[1].strip()
             for line in up.output().splitlines()
@@ -75,44 +84,41 @@ def test_up_serves_a_chat_request_and_stops_everything_on_sigterm():
 def test_up_restarts_a_worker_that_dies():
     """A worker killed under `jitney up` is restarted (as Kubernetes would) and serving goes on."""
     port = free_port()
-    up = JitneyProcess(
-        [
-            "up",
-            "--model",
-            "tiny-random",
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(free_port()),
-            "--kv-cache-memory",
-            "16MiB",
-        ],
-        {"REDIS_URL": ""},
-        name="up",
-    )
+    up = start_up(port)
     base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert up.alive(), up.output()
-        with urllib.request.urlopen(f"{base}/ready", timeout=2) as resp:
-            return resp.status == 200
-
-    def complete() -> dict:
-        body = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
-        req = urllib.request.Request(
-            f"{base}/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return json.load(resp)
-
     try:
-        wait_for(ready, 120, "jitney up to be ready")
+        wait_until_ready(up, base)
         pid = int(re.search(r"started worker-0 pid=(\d+)", up.output()).group(1))
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: "restarted worker-0" in up.output(), 30, "the worker restarted")
-        wait_for(ready, 60, "ready again")
-        assert complete()["usage"]["completion_tokens"] == 4
+        wait_until_ready(up, base, timeout=60)
+        reply = post(base, "/v1/completions", {"prompt": "hi", **EXACT})
+        assert reply["usage"]["completion_tokens"] == EXACT["max_tokens"]
         assert up.alive()
         assert up.stop(signal.SIGTERM, timeout=90) == 0
     finally:
         up.stop(signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux parent-death signal")
+def test_killed_up_takes_its_worker_gateway_and_redis_with_it():
+    """SIGKILL gives `up` no chance to stop its parts; the kernel's parent-death signal does, so
+    its worker, gateway and private redis-server all exit within a bounded time."""
+    port = free_port()
+    up = start_up(port)
+    base = f"http://127.0.0.1:{port}"
+    parts: set[processes.Proc] = set()
+    try:
+        wait_until_ready(up, base)
+        parts = processes.service_processes(root=up.proc.pid)
+        names = sorted(p.name for p in parts)
+        assert names == ["jitney gateway", "jitney worker", "redis-server"], parts
+        up.stop(signal.SIGKILL)
+        wait_for(
+            lambda: not any(processes.alive(p) for p in parts),
+            PARTS_EXIT_S,
+            f"{', '.join(names)} to exit after jitney up was killed",
+        )
+    finally:
+        up.stop(signal.SIGKILL)
+        processes.kill(parts)  # whatever failed, leave nothing running

@@ -6,8 +6,6 @@ from __future__ import annotations
 import random
 import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -16,19 +14,21 @@ import redis
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.model_loader import load_model
-from engine.sampling import SamplingParams
+from engine.step_timing import PHASES, PUBLISH
 from protocol import (
     WORKER_GROUP,
     CancelMessage,
     Keys,
     ReplyMessage,
     RequestMessage,
+    SamplingParams,
 )
 from tests.engine.engine_helpers import assert_greedy_parity
 from tests.services import (
     JitneyProcess,
     RedisServer,
     Worker,
+    http_status,
     start_worker,
     wait_for,
     wait_ready,
@@ -90,11 +90,7 @@ class Replies:
 
 
 def ready_status(worker: Worker) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/ready") as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    return http_status(f"http://127.0.0.1:{worker.metrics_port}/ready")
 
 
 def pending_ids(r: redis.Redis, consumer: str | None = None) -> list[str]:
@@ -195,19 +191,25 @@ def test_queued_cancelled_entry_is_dropped_and_past_deadline_expires(stack, repl
 
 
 def test_invalid_requests_get_an_error_and_the_worker_keeps_serving(stack, replies):
-    """Too long, bad token ids, wrong model: an error reply and XACK; garbage: XACK only."""
+    """Too long, bad token ids, wrong model, ill-typed sampling: an error reply and XACK;
+    garbage: XACK only."""
     r, _ = stack
     send(r, "too-long", [5] * 2040, 100)
     send(r, "bad-token", [5, 10_000], 4)
     send(r, "other-model", [5, 6], 4, model="not-served")
+    sampling = {"max_tokens": 4, "top_k": "many"}
+    bad = RequestMessage("bad-sampling", MODEL, [5, 6], sampling, REPLIES, "test-gw", time.time())
+    r.xadd(KEYS.requests, bad.encode())
     r.xadd(KEYS.requests, {"v": "1", "m": "{not json"})
     send(r, "after", [5, 6, 7], 4)
-    finals = replies.wait("too-long", "bad-token", "other-model", "after")
-    for request_id in ("too-long", "bad-token", "other-model"):
+    invalid = ("too-long", "bad-token", "other-model", "bad-sampling")
+    finals = replies.wait(*invalid, "after")
+    for request_id in invalid:
         final = finals[request_id]
         assert final.finish_reason == "error" and final.error_type == "invalid_request_error"
         assert final.seq == 0 and final.error
     assert "2140" in finals["too-long"].error and "2048" in finals["too-long"].error
+    assert finals["bad-sampling"].error == "top_k must be an integer, got str"
     assert finals["after"].finish_reason == "length" and len(replies.tokens("after")) == 4
     assert pending_ids(r) == []
 
@@ -242,12 +244,42 @@ def test_metrics_agree_with_what_was_served(stack, replies):
     assert worker.metric("jitney_requests_running", **labels) == 0
 
 
+def test_step_phases_are_exported_per_step_and_add_up_to_the_step(stack, replies):
+    """jitney_step_phase_seconds: each engine phase once per step, summing to the step's
+    duration; `publish` once per reply round trip."""
+    r, worker = stack
+
+    def totals() -> dict[str, float]:
+        got = {
+            f"{p}_{stat}": worker.metric(f"jitney_step_phase_seconds_{stat}", phase=p)
+            for p in (*PHASES, PUBLISH)
+            for stat in ("count", "sum")
+        }
+        got["steps"] = worker.metric("jitney_step_duration_seconds_count")
+        got["step_s"] = worker.metric("jitney_step_duration_seconds_sum")
+        return got
+
+    before = totals()
+    send(r, "phases", [5, 6, 7, 8, 9], 12)
+    replies.wait("phases")
+    wait_for(  # the publish of the final reply is observed just after it returns
+        lambda: totals()[f"{PUBLISH}_count"] > before[f"{PUBLISH}_count"], 5, "publish"
+    )
+    delta = {k: v - before[k] for k, v in totals().items()}
+    assert delta["steps"] >= 12
+    for p in PHASES:
+        assert delta[f"{p}_count"] == delta["steps"], p
+        assert delta[f"{p}_sum"] > 0, p
+    assert sum(delta[f"{p}_sum"] for p in PHASES) == pytest.approx(delta["step_s"], rel=0.1)
+    assert 1 <= delta[f"{PUBLISH}_count"] <= delta["steps"] and delta[f"{PUBLISH}_sum"] > 0
+
+
 def test_worker_survives_a_redis_restart(server, stack, replies):
     """Redis goes away and comes back empty: the worker backs off, rejoins (group, card,
     heartbeat) and serves again without restarting."""
     r, worker = stack
     server.stop()
-    time.sleep(2)
+    wait_for(lambda: "redis_unavailable" in worker.proc.output(), 15, "the worker to notice")
     assert worker.proc.alive()
     server.start()
     wait_for(lambda: r.zscore(KEYS.workers, "w1") is not None, 15, "heartbeat after restart")
@@ -322,8 +354,9 @@ def test_sigterm_finishes_in_flight_requests_and_stops_reading(redis_server):
         assert not any(replies.final(i) for i in in_flight)
         assert ready_status(worker) == 200
         worker.proc.proc.terminate()
-        time.sleep(0.5)
-        assert ready_status(worker) == 503  # a rolling update's readiness turns off at once
+        # A rolling update's readiness turns off while the worker still drains (it cannot
+        # finish 4 x 200 tokens at 10 ms a step before /ready answers 503).
+        wait_for(lambda: ready_status(worker) == 503, 10, "/ready to turn 503 while draining")
         late_entry = send(r, "late", [5, 6, 7], 4)
         assert worker.proc.proc.wait(60) == 0
         finals = replies.wait(*in_flight, timeout=5)

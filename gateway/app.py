@@ -128,6 +128,17 @@ async def ready(request: web.Request) -> web.Response:
     if live == 0 and not gw.config.queue_without_workers:
         reason = f"no worker heartbeat within {HEARTBEAT_TTL_S:g} s"
         return web.json_response({"status": "not_ready", "reason": reason}, status=503)
+    # Ready means a request would be served: the registry the request path reads has a model
+    # (a worker's heartbeat can come before this gateway has read its model card).
+    if live and not gw.config.queue_without_workers:
+        try:
+            async with asyncio.timeout(gw.config.redis_timeout_s):
+                models = await gw.registry.live_models(miss=True)
+        except (RedisError, OSError, TimeoutError):
+            models = None
+        if not models:
+            reason = "no model card read yet" if models is not None else "redis unavailable"
+            return web.json_response({"status": "not_ready", "reason": reason}, status=503)
     return web.json_response(
         {"status": "ready", "workers": live, "reply_reader": gw.router.healthy}
     )

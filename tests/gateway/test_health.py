@@ -42,6 +42,25 @@ async def test_ready_needs_a_fresh_worker_heartbeat(
     assert response.status == 200 and (await response.json())["workers"] == 1
 
 
+async def test_ready_waits_for_the_model_card_requests_need(
+    sync_redis: redis.Redis, card: ModelCard, make_client: MakeClient
+) -> None:
+    """A heartbeat before the worker's card is published: /ready stays 503 (a request would get
+    no_workers); once the card is there, /ready is 200 and so is a request's model lookup."""
+    client = await make_client()
+    heartbeat(sync_redis)
+    response = await client.get("/ready")
+    assert response.status == 503 and "model card" in (await response.json())["reason"]
+    publish_card(sync_redis, card)
+
+    async def ready() -> bool:  # a miss re-reads the cards at most every miss_rescan_s
+        return (await client.get("/ready")).status == 200
+
+    await eventually(ready)
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [card.name]
+
+
 async def test_models_lists_cards_of_live_workers(
     sync_redis: redis.Redis, card: ModelCard, make_client: MakeClient
 ) -> None:

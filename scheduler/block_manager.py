@@ -43,8 +43,6 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
 @dataclass(slots=True)
 class _SeqBlocks:
     block_ids: list[int] = field(default_factory=list)
-    # Chained hashes of the sequence's full prompt blocks, computed once from the prompt.
-    prompt_hashes: list[bytes] = field(default_factory=list)
     # How many leading blocks are registered in the prefix cache (or were hits).
     num_hashed: int = 0
 
@@ -86,11 +84,17 @@ class KVBlockManager:
         entry = self._seqs.get(seq_id)
         return list(entry.block_ids) if entry else []
 
+    def block_ids(self, seq_id: str) -> list[int]:
+        """The live block list of an allocated sequence, not a copy: read it, never change it.
+        It only grows while the allocation lives and is a new object after a free (the model
+        runner keys its device copy on that identity)."""
+        return self._seqs[seq_id].block_ids
+
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of `seq` that its first allocation would take from the prefix cache."""
         if seq.seq_id in self._seqs:
             return seq.num_computed_tokens
-        return len(self._lookup(self._prompt_hashes(seq), seq)) * self.block_size
+        return len(self._lookup(seq)) * self.block_size
 
     # ----- the gate ----------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> bool:
@@ -103,25 +107,31 @@ class KVBlockManager:
         Returns False, changing nothing, when the free blocks do not suffice.
         """
         entry = self._seqs.get(seq.seq_id)
-        hits: list[int] = []
-        if entry is None:
-            entry = _SeqBlocks(prompt_hashes=self._prompt_hashes(seq))
-            hits = self._lookup(entry.prompt_hashes, seq)
+        if entry is not None:  # a running sequence grows (every decode step: kept lean)
+            needed_tokens = max(seq.num_computed_tokens + num_new_tokens, reserve_tokens)
+            num_new_blocks = -(-needed_tokens // self.block_size) - len(entry.block_ids)
+            if num_new_blocks > len(self._free):
+                return False
+            for _ in range(num_new_blocks):
+                entry.block_ids.append(self._take_fresh())
+            return True
+
+        entry = _SeqBlocks()
+        hits = self._lookup(seq)
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size
         needed_tokens = max(num_computed + num_new_tokens, reserve_tokens)
-        num_new_blocks = max(0, self.blocks_for(needed_tokens) - len(entry.block_ids) - len(hits))
+        num_new_blocks = max(0, self.blocks_for(needed_tokens) - len(hits))
         # A hit on a block that sits in the free list takes that block out of it.
         num_revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         if num_new_blocks + num_revived > len(self._free):
             return False
 
-        if seq.seq_id not in self._seqs:
-            self._seqs[seq.seq_id] = entry
-            self.num_prefix_queries += seq.num_prompt_tokens
-            self.num_prefix_hits += len(hits) * self.block_size
-            seq.num_cached_tokens = len(hits) * self.block_size
-            seq.num_computed_tokens = num_computed
-            entry.num_hashed = len(hits)
+        self._seqs[seq.seq_id] = entry
+        self.num_prefix_queries += seq.num_prompt_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = num_computed
+        entry.num_hashed = len(hits)
         for b in hits:
             self._take(b)
         entry.block_ids.extend(hits)
@@ -137,15 +147,18 @@ class KVBlockManager:
         entry = self._seqs.get(seq.seq_id)
         if entry is None or not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(entry.prompt_hashes))
+        num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size
+        if num_full <= entry.num_hashed:
+            return  # a decode: its prompt blocks are all registered already
+        hashes = self._prompt_hashes(seq)
         for i in range(entry.num_hashed, num_full):
             block = self.blocks[entry.block_ids[i]]
-            h = entry.prompt_hashes[i]
+            h = hashes[i]
             # Two sequences may have computed the same prefix at once; the first one is kept.
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
                 self._cached[h] = block.block_id
-        entry.num_hashed = max(entry.num_hashed, num_full)
+        entry.num_hashed = num_full
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`. Tail blocks go to the free list first, so they are
@@ -161,24 +174,33 @@ class KVBlockManager:
 
     # ----- internals ---------------------------------------------------------------------------
     def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        """Chained hashes of the full prompt blocks, computed once per sequence: a waiting
+        prompt is looked up every step until it is admitted, and again after a preemption."""
         if not self.enable_prefix_caching:
             return []
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        bs = self.block_size
-        for i in range(seq.num_prompt_tokens // bs):
-            parent = hash_block(parent, seq.prompt_token_ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+        if seq.prompt_block_hashes is None:
+            hashes: list[bytes] = []
+            parent: bytes | None = None
+            bs = self.block_size
+            for i in range(seq.num_prompt_tokens // bs):
+                parent = hash_block(parent, seq.prompt_token_ids[i * bs : (i + 1) * bs])
+                hashes.append(parent)
+            seq.prompt_block_hashes = (bs, hashes)
+        block_size, hashes = seq.prompt_block_hashes
+        if block_size != self.block_size:
+            raise ValueError(
+                f"{seq.seq_id!r} was hashed in blocks of {block_size}, not {self.block_size}"
+            )
         return hashes
 
-    def _lookup(self, prompt_hashes: list[bytes], seq: Sequence) -> list[int]:
+    def _lookup(self, seq: Sequence) -> list[int]:
         # Only a sequence with nothing computed can take hits (a fresh or preempted one), and at
         # least one token must remain to compute: the step that computes it yields the logits.
         if seq.num_computed_tokens:
             return []
         max_hits = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for h in prompt_hashes[:max_hits]:
+        for h in self._prompt_hashes(seq)[:max_hits]:
             b = self._cached.get(h)
             if b is None:
                 break

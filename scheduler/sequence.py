@@ -84,6 +84,9 @@ class Sequence:
     # Set when the sequence is first scheduled / reaches a terminal state (same clock as arrival).
     first_scheduled_time: float | None = None
     finished_time: float | None = None
+    # (block size, chained hashes of the full prompt blocks): the block manager's prefix-cache
+    # keys, cached here because a waiting prompt is looked up again every step.
+    prompt_block_hashes: tuple[int, list[bytes]] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -37,7 +37,6 @@ class BatchingPolicy(ABC):
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
         self.stats = SchedulerStats(num_total_blocks=kv.num_blocks)
-        self._released_since_plan: list[str] = []
 
     # ----- requests in and out -----------------------------------------------------------------
     def add_request(self, seq: Sequence) -> None:
@@ -83,8 +82,7 @@ class BatchingPolicy(ABC):
 
     # ----- one step ----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
-        plan = StepPlan(finished_seq_ids=self._released_since_plan)
-        self._released_since_plan = []
+        plan = StepPlan()
         self._plan_step(plan, now)
         for chunk in plan.chunks:
             seq = self.seqs[chunk.seq_id]
@@ -138,7 +136,6 @@ class BatchingPolicy(ABC):
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
         del self.seqs[seq.seq_id]
-        self._released_since_plan.append(seq.seq_id)
 
     def _blocks_needed_alone(self, seq: Sequence) -> int:
         return self.kv.blocks_for(seq.max_total_tokens)
@@ -162,10 +159,10 @@ class BatchingPolicy(ABC):
     def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
         if num_new <= 0:
             return
-        start = seq.num_computed_tokens
+        start, num_tokens = seq.num_computed_tokens, seq.num_tokens
         # A decode feeds back the one token sampled last step; anything else is (re)prefill.
-        is_decode = num_new == 1 and seq.num_output_tokens > 0 and start == seq.num_tokens - 1
-        samples = start + num_new == seq.num_tokens
+        is_decode = num_new == 1 and seq.num_output_tokens > 0 and start == num_tokens - 1
+        samples = start + num_new == num_tokens
         plan.chunks.append(ScheduledChunk(seq.seq_id, start, num_new, samples, not is_decode))
 
     def _fill_stats(self, plan: StepPlan) -> None:

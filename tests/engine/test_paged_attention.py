@@ -102,8 +102,7 @@ def run_step(
             attn_metadata=meta,
             kv_cache=cache,
         )
-    cu = meta.cu_seqlens_q.tolist()
-    return [out.logits[0, cu[i] : cu[i + 1]] for i in range(len(entries))]
+    return list(out.logits[0].split([n for _, _, n, _ in entries]))
 
 
 def rand_tokens(n: int, seed: int) -> list[int]:

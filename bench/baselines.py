@@ -29,6 +29,7 @@ from transformers import (
 
 from bench.trace import TraceRequest, percentile
 from engine.model_loader import LoadedModel
+from engine.step_timing import sync_device
 
 HF_GENERATE = "hf-generate"
 HF_CB = "hf-cb"
@@ -93,12 +94,6 @@ def _mean(values: Any) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _sync(device: torch.device) -> None:
-    # On CUDA, generate returns before the kernels finish; a wall-clock stamp must wait for them.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _pad_id(loaded: LoadedModel) -> int:
     pad = loaded.tokenizer.pad_token_id
     return pad if pad is not None else loaded.eos_token_ids[0]
@@ -130,7 +125,7 @@ class _FirstStepClock(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         if self.time is None:
-            _sync(self.device)
+            sync_device(self.device)  # generate runs ahead of its kernels on CUDA
             self.time = time.perf_counter()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -162,7 +157,7 @@ def _generate_static_batch(
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([clock]),
         )
-    _sync(device)
+    sync_device(device)
     end = time.perf_counter()
     new_tokens = out[:, width:].tolist()
     outputs = [row[: r.output_len] for row, r in zip(new_tokens, batch, strict=True)]

@@ -2,7 +2,9 @@
 
 Every request arrives at t=0 and generates exactly its `output_len` tokens (EOS ignored), so every
 system does the same useful work; the table reports each policy's ratio to each baseline measured
-in the same process, on the same machine, moments apart.
+in the same process, on the same machine, moments apart. A second table splits each policy's mean
+step into its phases (engine/step_timing.py) and the overhead around the forward; the
+zero-overhead baseline (bench/zero_overhead.py) is the ceiling: forwards only.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ from typing import Any
 
 from bench.baselines import HF_CB, HF_GENERATE, RunResult, best_hf_cb, run_hf_generate
 from bench.trace import TraceRequest
+from bench.zero_overhead import ZERO_OVERHEAD, run_zero_overhead
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.model_loader import LoadedModel
-from engine.sampling import SamplingParams
+from engine.step_timing import PHASES, StepTiming
+from protocol.sampling import SamplingParams
 
-BASELINES = (HF_GENERATE, HF_CB)
+BASELINES = (HF_GENERATE, HF_CB, ZERO_OVERHEAD)
+# The phase table's columns after the engine's phases: the step as timed around Engine.step,
+# and its overhead (the step minus the forward).
+STEP, OVERHEAD = "step", "overhead"
+
+
+class OfflineBenchError(ValueError):
+    """The run cannot start as asked (a trace the model cannot read, an unknown baseline)."""
 
 
 @dataclass(slots=True)
@@ -58,8 +69,13 @@ def run_jitney(
         outputs[r.request_id] = []
     engine.flush()
     steps = peak_blocks = 0
+    phases, step_s = StepTiming(), 0.0
     while engine.has_unfinished():
-        for out in engine.step():
+        step_start = time.perf_counter()
+        step_outputs = engine.step()
+        step_s += time.perf_counter() - step_start
+        phases.add(engine.last_step_timing)
+        for out in step_outputs:
             outputs[out.request_id] += out.new_token_ids
             clock.saw(out.request_id, out.finished, bool(out.new_token_ids))
         steps += 1
@@ -79,16 +95,42 @@ def run_jitney(
             "preemptions": engine.policy.stats.num_preemptions_total,
             "peak_kv_blocks": peak_blocks,
             "kv_blocks_total": engine.block_manager.num_blocks,
+            "phase_ms_per_step": _ms_per_step(phases, step_s, steps),
         },
     )
 
 
-def run_baseline(name: str, loaded: LoadedModel, requests: Sequence[TraceRequest]) -> RunResult:
+def _ms_per_step(phases: StepTiming, step_s: float, steps: int) -> dict[str, float]:
+    """Mean milliseconds per step of each phase, of the whole step and of its overhead."""
+    ms = {name: 1000 * s / steps if steps else 0.0 for name, s in phases.as_dict().items()}
+    ms[STEP] = 1000 * step_s / steps if steps else 0.0
+    ms[OVERHEAD] = ms[STEP] - ms["forward"]
+    return ms
+
+
+def run_baseline(
+    name: str, loaded: LoadedModel, requests: Sequence[TraceRequest], config: EngineConfig
+) -> RunResult:
     if name == HF_GENERATE:
         return run_hf_generate(loaded, requests, batch_size=16)
     if name == HF_CB:
         return best_hf_cb(loaded, requests)
-    raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    if name == ZERO_OVERHEAD:
+        return run_zero_overhead(loaded, requests, config.max_num_seqs)
+    raise OfflineBenchError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+
+
+def check_token_ids(requests: Sequence[TraceRequest], loaded: LoadedModel) -> None:
+    """Refuse a trace whose prompt ids the model's vocabulary does not hold (the embedding would
+    fail mid-run with an IndexError)."""
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    ids = [t for r in requests for t in r.prompt_ids]
+    if ids and (max(ids) >= vocab or min(ids) < 0):
+        bad = max(ids) if max(ids) >= vocab else min(ids)
+        raise OfflineBenchError(
+            f"the trace's token ids do not fit {loaded.name}: it holds id {bad}, but the "
+            f"vocabulary has {vocab} ids (0..{vocab - 1}); use the model the trace was made for"
+        )
 
 
 def format_table(ours: list[RunResult], baselines: list[RunResult]) -> str:
@@ -115,6 +157,20 @@ def format_table(ours: list[RunResult], baselines: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def format_phase_table(ours: list[RunResult]) -> str:
+    """Mean ms per step of each engine phase; `step` is timed around Engine.step, so the phases
+    add up to it; `overhead` is the step minus the forward."""
+    columns = (*PHASES, STEP, OVERHEAD)
+    header = f"{'ms per step':<20} " + " ".join(f"{c:>11}" for c in columns) + f" {'ovh %':>6}"
+    lines = [header, "-" * len(header)]
+    for r in ours:
+        ms = r.extra["phase_ms_per_step"]
+        share = ms[OVERHEAD] / ms[STEP] if ms[STEP] else None
+        cells = " ".join(f"{ms[c]:>11.3f}" for c in columns)
+        lines.append(f"{r.name:<20} {cells} {_pct(share):>6}")
+    return "\n".join(lines)
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -127,18 +183,26 @@ def run_offline_bench(
     load: Callable[[], LoadedModel],
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Baselines first (on a model left on transformers' attention), then each policy."""
+    """Baselines first (on a model left on transformers' attention), then each policy.
+    Raises OfflineBenchError before running anything if the trace does not fit the model."""
     from dataclasses import replace
 
+    unknown = [name for name in baselines if name not in BASELINES]
+    if unknown:
+        raise OfflineBenchError(
+            f"unknown baseline {', '.join(unknown)}; choose from {', '.join(BASELINES)}"
+        )
     base_results = []
     if baselines:
         ref = load()
+        check_token_ids(requests, ref)
         for name in baselines:
             say(f"running baseline {name} on {len(requests)} requests ...")
-            base_results.append(run_baseline(name, ref, requests))
+            base_results.append(run_baseline(name, ref, requests, base_config))
             say(f"  {name}: {base_results[-1].tokens_per_s:.1f} useful tokens/s")
         del ref
     loaded = load()
+    check_token_ids(requests, loaded)
     ours = []
     for policy in policies:
         say(f"running jitney --batching {policy} ...")
@@ -146,6 +210,7 @@ def run_offline_bench(
         say(f"  jitney-{policy}: {ours[-1].tokens_per_s:.1f} useful tokens/s")
     return {
         "table": format_table(ours, base_results),
+        "phase_table": format_phase_table(ours),
         "results": [{**r.summary(), "extra": r.extra} for r in [*ours, *base_results]],
     }
 

@@ -17,8 +17,17 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplerState, SamplingParams, sample
-from scheduler import KVBlockManager, SchedulerStats, Sequence, StepPlan, make_policy
+from engine.sampling import sample, with_seed
+from engine.step_timing import PhaseClock, StepTiming, sync_device
+from protocol.sampling import SamplingParams
+from scheduler import (
+    BlockIntegrityError,
+    KVBlockManager,
+    SchedulerStats,
+    Sequence,
+    StepPlan,
+    make_policy,
+)
 
 logger = logging.getLogger("jitney.engine")
 
@@ -46,7 +55,7 @@ class _Request:
     """Per-request state the worker keeps beside the scheduler's Sequence."""
 
     seq: Sequence
-    sampler: SamplerState
+    params: SamplingParams  # seeded if it samples (engine.sampling.with_seed)
     detok: IncrementalDetokenizer
 
 
@@ -81,6 +90,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache)
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
+        self.last_step_timing = StepTiming()  # the phases of the last step (the worker exports)
         if progress is not None:
             progress(self.capacity.table())
 
@@ -150,9 +160,7 @@ class Engine:
         for token in resumed:
             detok.add(token)
         self.policy.add_request(seq)
-        self.requests[request_id] = _Request(
-            seq, SamplerState.create(params, self.device, num_drawn=len(resumed)), detok
-        )
+        self.requests[request_id] = _Request(seq, with_seed(params), detok)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now; its KV blocks are free when this returns."""
@@ -164,19 +172,18 @@ class Engine:
         """Drop every request (after a failed step, or when they were handed to another worker).
         A step that raised may have left the scheduler half-updated: if the block accounting no
         longer adds up, start from a fresh pool and policy (the KV tensors are reused)."""
+        failed = []
         for request_id in list(self.requests):
             try:
                 self.abort(request_id)
-            except Exception:  # a half-updated sequence: the integrity check below decides
-                self.requests.pop(request_id, None)
-        try:
-            if self.policy.has_unfinished():
-                raise AssertionError("requests left after aborting them all")
-            self.block_manager.check_integrity()
-            if self.block_manager.num_used_blocks:
-                raise AssertionError(f"{self.block_manager.num_used_blocks} blocks still used")
-        except AssertionError as e:
-            logger.warning("engine state rebuilt after a failed step: %s", e)
+            except Exception:  # a half-updated sequence: its scheduler state cannot be trusted
+                logger.exception("abort_failed request=%s (engine reset)", request_id)
+                failed.append(request_id)
+        # What an abort left behind (a failed one, a finished static-batch mate) goes too.
+        self.requests.clear()
+        broken = f"aborting {failed} raised" if failed else self._unreusable_state()
+        if broken is not None:
+            logger.warning("engine state rebuilt after a failed step: %s", broken)
             config = self.config
             self.block_manager = KVBlockManager(
                 self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
@@ -184,6 +191,18 @@ class Engine:
             self.policy = make_policy(
                 config.batching, config.scheduler_config(), self.block_manager
             )
+
+    def _unreusable_state(self) -> str | None:
+        """Why the scheduler and block pool cannot be reused once every request is aborted."""
+        if self.policy.seqs:
+            return f"{len(self.policy.seqs)} sequences left after aborting them all"
+        if self.block_manager.num_used_blocks:
+            return f"{self.block_manager.num_used_blocks} blocks still used"
+        try:
+            self.block_manager.check_integrity()
+        except BlockIntegrityError as e:
+            return str(e)
+        return None
 
     def has_unfinished(self) -> bool:
         return self.policy.has_unfinished()
@@ -194,25 +213,42 @@ class Engine:
 
     # ----- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        clock = PhaseClock()
         plan = self.policy.schedule(time.monotonic())
-        sampled = self._run(plan) if not plan.is_empty else {}
-        return self._postprocess(plan, sampled)
+        clock.lap("schedule")
+        sampled = self._run(plan, clock) if not plan.is_empty else {}
+        deltas = self._detokenize(sampled)
+        outputs = self._postprocess(plan, sampled, deltas)
+        clock.lap("postprocess")
+        self.last_step_timing = clock.timing
+        return outputs
 
-    def _run(self, plan: StepPlan) -> dict[str, int]:
-        logits = self.runner.execute(plan, self.policy.seqs, self.block_manager.block_table)
+    def _run(self, plan: StepPlan, clock: PhaseClock) -> dict[str, int]:
+        inputs = self.runner.prepare(plan, self.policy.seqs, self.block_manager.block_ids)
+        clock.lap("prepare")
+        logits = self.runner.forward(inputs)
+        sync_device(self.device)  # the forward's lap ends when its kernels do (step_timing.py)
+        clock.lap("forward")
         sampling_ids = [c.seq_id for c in plan.chunks if c.samples]
-        tokens = sample(logits, [self.requests[i].sampler for i in sampling_ids])
+        reqs = [self.requests[i] for i in sampling_ids]
+        # A draw's position is its output index, so a resumed request continues its stream.
+        tokens = sample(logits, [r.params for r in reqs], [r.seq.num_output_tokens for r in reqs])
+        clock.lap("sample")
         return dict(zip(sampling_ids, tokens, strict=True))
 
-    def _postprocess(self, plan: StepPlan, sampled: dict[str, int]) -> list[RequestOutput]:
+    def _detokenize(self, sampled: dict[str, int]) -> dict[str, RequestOutput]:
+        """Each sampled token's text delta (a stop string found ends its request in update)."""
         outputs: dict[str, RequestOutput] = {}
-        stopped = set()
         for seq_id, token in sampled.items():
             req = self.requests[seq_id]
             out = outputs[seq_id] = RequestOutput(seq_id, [token], req.detok.add(token))
-            if req.detok.stopped:
-                stopped.add(seq_id)
             out.num_output_tokens = req.seq.num_output_tokens + 1
+        return outputs
+
+    def _postprocess(
+        self, plan: StepPlan, sampled: dict[str, int], outputs: dict[str, RequestOutput]
+    ) -> list[RequestOutput]:
+        stopped = {seq_id for seq_id in outputs if self.requests[seq_id].detok.stopped}
         for seq in self.policy.update(plan, sampled, stopped, time.monotonic()):
             final = self._final_output(self.requests.pop(seq.seq_id))
             delta = outputs.pop(seq.seq_id, None)

@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from engine.step_timing import PHASES, PUBLISH, StepTiming
 from scheduler import SchedulerStats
 from worker.vllm_metrics import served_registry
 
@@ -98,6 +99,24 @@ REQUEST_LATENCY_BUCKETS = (
     7680.0,
 )
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# A phase of a step: from a 0.1 ms schedule on an idle CPU to a multi-second prefill forward.
+STEP_PHASE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -159,6 +178,18 @@ class WorkerMetrics:
         self.step_duration = hist(
             "jitney_step_duration_seconds", "One engine step (schedule+run+sample)", STEP_BUCKETS
         )
+        self._step_phases = Histogram(
+            "jitney_step_phase_seconds",
+            "Time per step in each phase: schedule, prepare, forward, sample, postprocess, "
+            "publish (the replies' Redis round trip)",
+            (*LABELS, "phase"),
+            registry=r,
+            buckets=STEP_PHASE_BUCKETS,
+        )
+        self._phase = {
+            phase: self._step_phases.labels(**self._labels, phase=phase)
+            for phase in (*PHASES, PUBLISH)
+        }
         self.prefix_hits = counter("jitney_prefix_cache_hits", "Prompt tokens served from cache")
         self.prefix_queries = counter(
             "jitney_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
@@ -235,6 +266,13 @@ class WorkerMetrics:
             if new > old:
                 child.inc(new - old)
         self._last_totals = totals
+
+    def observe_phases(self, timing: StepTiming) -> None:
+        for phase, seconds in timing.as_dict().items():
+            self._phase[phase].observe(seconds)
+
+    def observe_publish(self, seconds: float) -> None:
+        self._phase[PUBLISH].observe(seconds)
 
     def set_state(
         self, running: int, waiting: int, kv_usage: float, free_blocks: int, total_blocks: int

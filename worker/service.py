@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import redis
 
 from engine.llm_engine import Engine
-from engine.sampling import SamplingParams
 from protocol import (
     HEARTBEAT_INTERVAL_S,
     CancelMessage,
     ModelCard,
     ProtocolError,
     RequestMessage,
+    SamplingParams,
 )
 from worker.failpoints import Failpoints
 from worker.metrics import WorkerMetrics
@@ -239,7 +239,9 @@ class WorkerService:
 
     def _publish(self) -> None:
         if self.book.outbox:
+            start = time.perf_counter()
             applied = self.io.publish(self.book.outbox)
+            self.metrics.observe_publish(time.perf_counter() - start)
             self.book.clear_outbox()
             if not applied:
                 self._on_fenced()
@@ -455,17 +457,7 @@ class WorkerService:
         ids, vocab = msg.prompt_token_ids, self.engine.vocab_size
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be a list of token ids in [0, {vocab})")
-        f = msg.sampling_fields
-        return SamplingParams(
-            max_tokens=f.max_tokens,
-            temperature=f.temperature,
-            top_p=f.top_p,
-            top_k=f.top_k,
-            seed=f.seed,
-            stop=tuple(f.stop),
-            stop_token_ids=tuple(f.stop_token_ids),
-            ignore_eos=f.ignore_eos,
-        )
+        return msg.sampling_params
 
     # ----- stepping -----------------------------------------------------------------------
     def _step(self) -> None:
@@ -480,6 +472,7 @@ class WorkerService:
         self.state.step_failures = 0
         now = time.monotonic()
         self.metrics.observe_step(e.stats, now - start)
+        self.metrics.observe_phases(e.last_step_timing)
         self.state.last_step_empty = e.stats.batch_size == 0
         self.book.on_step(outputs, e.first_scheduled_time, start, now)
 

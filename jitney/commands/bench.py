@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from bench.prom_report import add_report_arguments, run_report
+from bench.provenance import recorded_command
 from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
 
 DEFAULT_TRACE = "../shared/traces/mixed-64.json"
@@ -28,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     off.add_argument(
         "--baseline",
         default="hf-generate,hf-cb",
-        help="comma list of baselines (hf-generate, hf-cb), or 'none'",
+        help="comma list of baselines (hf-generate, hf-cb, zero-overhead: forwards only, "
+        "timed on the trace's continuous schedule), or 'none'",
     )
     off.add_argument("--output", default="bench-offline.json", help="results JSON")
     off.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -135,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, aiohttp.ClientError) as e:  # bad flags, or no model list
         raise SystemExit(f"bench serve: {e}") from None
     report["trace"] = args.trace
-    report["command"] = " ".join(sys.argv)
+    report["command"] = recorded_command()
     print(format_table(report))
     write_json(report, args.output)
     say(f"wrote {args.output}")
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return run_serve(args)  # no torch: the load generator is a plain HTTP client
     import torch
 
-    from bench.offline import run_offline_bench, write_json
+    from bench.offline import OfflineBenchError, run_offline_bench, write_json
     from bench.trace import load_trace
     from engine.model_loader import LoadedModel, load_model
 
@@ -175,9 +177,14 @@ def run(args: argparse.Namespace) -> int:
         f"{sum(r.output_len for r in requests)} output tokens; torch threads "
         f"{torch.get_num_threads()}"
     )
-    report = run_offline_bench(config, requests, policies, baselines, load, say)
-    report["command"] = " ".join(sys.argv)
+    try:
+        report = run_offline_bench(config, requests, policies, baselines, load, say)
+    except OfflineBenchError as e:  # a trace for another model, an unknown baseline
+        raise SystemExit(f"bench offline: {e}") from None
+    report["command"] = recorded_command()
     print(report["table"])
+    print()
+    print(report["phase_table"])
     write_json(report, args.output)
     say(f"wrote {args.output}")
     return 0

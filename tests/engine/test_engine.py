@@ -6,7 +6,7 @@ import pytest
 
 from engine.llm_engine import Engine, RequestTooLongError
 from engine.model_loader import load_model
-from engine.sampling import SamplingParams
+from protocol import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
 
 
@@ -140,6 +140,30 @@ def test_same_seed_same_output_whatever_the_batch(loaded):
         .token_ids
     )
     assert alone == mixed
+
+
+def test_seeded_request_draws_the_same_tokens_after_preemption(loaded):
+    """A seeded request that is preempted (KV freed, recomputed on readmission) continues its
+    random stream where it was: the same tokens as alone."""
+    prompt = list(range(40, 60))
+    params = SamplingParams(max_tokens=30, temperature=1.0, top_k=40, seed=3, ignore_eos=True)
+    alone = make_engine(loaded).generate([prompt], params)[0].token_ids
+    # 14 blocks of 4 tokens: the three requests cannot all hold their K/V at once.
+    engine = make_engine(loaded, block_size=4, kv_cache_memory=str(14 * 2048), max_num_seqs=3)
+    rng = random.Random(8)
+    crowd = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"crowd{i}", random_prompt(rng, 12), crowd)
+    engine.add_request("seeded", prompt, params)  # the newest: preempted first
+    tokens, preemptions = [], 0
+    while engine.has_unfinished():
+        if "seeded" in engine.requests:
+            preemptions = engine.requests["seeded"].seq.num_preemptions
+        tokens += [
+            t for out in engine.step() if out.request_id == "seeded" for t in out.new_token_ids
+        ]
+    assert preemptions > 0
+    assert tokens == alone
 
 
 def test_abort_mid_generation_frees_every_block(loaded):

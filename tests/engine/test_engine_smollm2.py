@@ -3,7 +3,7 @@
 import pytest
 
 from engine.model_loader import load_model
-from engine.sampling import SamplingParams
+from protocol import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
 
 

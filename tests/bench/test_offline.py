@@ -1,0 +1,81 @@
+"""`jitney bench offline` on the tiny model: the phase table adds up, the zero-overhead ratio is
+reported, and a trace for another vocabulary is refused with one clear line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.offline import STEP
+from engine.step_timing import PHASES
+from jitney.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_VOCAB = 281  # the tiny model's byte-level vocabulary
+
+
+def write_trace(path: Path, prompts: list[list[int]], output_lens: list[int]) -> Path:
+    rows = [
+        {"id": i, "arrival_s": 0.0, "prompt_len": len(p), "output_len": n, "prompt_ids": p}
+        for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True))
+    ]
+    path.write_text(json.dumps({"meta": {}, "requests": rows}))
+    return path
+
+
+@pytest.fixture
+def tiny_trace(tmp_path: Path) -> Path:
+    prompts = [[3 + (11 * i + 7 * k) % 270 for k in range(4 + 3 * i)] for i in range(6)]
+    return write_trace(tmp_path / "tiny.json", prompts, [7, 3, 12, 5, 9, 4])
+
+
+def test_phase_table_adds_up_to_the_step_and_is_in_the_report(tiny_trace, tmp_path, capsys):
+    """Phases are timed inside Engine.step, the step around it: they must agree."""
+    out = tmp_path / "report.json"
+    args = ["bench", "offline", "--model", "tiny-random", "--kv-cache-memory", "16MiB"]
+    args += ["--trace", str(tiny_trace), "--policies", "continuous,static"]
+    args += ["--baseline", "zero-overhead", "--output", str(out)]
+    assert main(args) == 0
+
+    report = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert report["phase_table"] in printed
+    runs = {r["name"]: r for r in report["results"]}
+    for name in ("jitney-continuous", "jitney-static"):
+        ms = runs[name]["extra"]["phase_ms_per_step"]
+        assert all(ms[p] > 0 for p in PHASES), ms
+        assert sum(ms[p] for p in PHASES) == pytest.approx(ms[STEP], rel=0.05)
+        assert ms["overhead"] == pytest.approx(ms[STEP] - ms["forward"])
+        assert name in report["phase_table"]
+    ideal = runs["zero-overhead"]
+    assert ideal["output_tokens"] == runs["jitney-continuous"]["output_tokens"] == 40
+    assert "x zero-overhead" in report["table"]
+
+
+def test_a_trace_outside_the_vocabulary_is_refused_before_any_run(tmp_path):
+    """The largest id and the vocabulary size in one line, exit 1, no traceback."""
+    path = write_trace(tmp_path / "big.json", [[5, 6, 7], [8, TINY_VOCAB, 9]], [3, 3])
+    args = ["bench", "offline", "--model", "tiny-random", "--trace", str(path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jitney.cli", *args, "--output", str(tmp_path / "never.json")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("bench offline: ")
+    assert f"id {TINY_VOCAB}" in last and f"{TINY_VOCAB} ids" in last
+    assert "running" not in proc.stderr  # refused before any baseline or policy ran
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_an_unknown_baseline_is_refused_by_name(tiny_trace, tmp_path):
+    args = ["bench", "offline", "--model", "tiny-random", "--trace", str(tiny_trace)]
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--baseline", "hf-cb,vllm", "--output", str(tmp_path / "never.json")])
+    assert "unknown baseline vllm" in str(exc.value.code)

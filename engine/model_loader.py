@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from engine.random_models import DEFAULT_SEED, RANDOM_PREFIX, build_random_model
 from engine.tiny_model import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
 
 logger = logging.getLogger("jitney.engine.model")
@@ -73,7 +74,8 @@ def load_model(
     cache_dir: str | Path | None = None,
     progress: Progress | None = None,
 ) -> LoadedModel:
-    """Load `spec`: "tiny-random", "smollm2-135m", a Hugging Face model directory or a .gguf file.
+    """Load `spec`: "tiny-random", "smollm2-135m", "random:<name>" (engine/random_models.py), a
+    Hugging Face model directory or a .gguf file.
 
     `cache_dir` holds converted GGUF models, one sub-directory each (default: $JITNEY_CACHE_DIR,
     else ~/.cache/jitney/models). `dtype` defaults to bfloat16 on CUDA and float32 elsewhere.
@@ -97,6 +99,10 @@ def load_model(
         model_dir = _converted_gguf(gguf_path, cache_root / spec, say, SMOLLM2_CHAT_TEMPLATE)
         model, tokenizer = _load_hf_dir(model_dir, device, dtype, say)
         name = SMOLLM2_135M
+    elif spec.startswith(RANDOM_PREFIX):
+        say(f"building {spec} with random weights (seed {DEFAULT_SEED}) on {device} {dtype}")
+        model, tokenizer = build_random_model(spec.removeprefix(RANDOM_PREFIX), device, dtype)
+        name = spec
     elif path.is_file() and path.suffix == ".gguf":
         model_dir = _converted_gguf(path, cache_root / _gguf_cache_key(path), say, None)
         model, tokenizer = _load_hf_dir(model_dir, device, dtype, say)
@@ -107,7 +113,8 @@ def load_model(
     else:
         raise ValueError(
             f"unknown model {spec!r}: expected one of {', '.join(BUILTIN_MODELS)}, "
-            "a Hugging Face model directory (with config.json) or a .gguf file"
+            f"{RANDOM_PREFIX}<name>, a Hugging Face model directory (with config.json) or a .gguf "
+            "file"
         )
 
     model.eval()

@@ -28,7 +28,7 @@ _MERGED_WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġis", "Ġin", "ing", "er", 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE over all 256 bytes, so any UTF-8 text round-trips exactly."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for symbol in _byte_symbols():  # byte b gets id 3 + b
+    for symbol in byte_symbols():  # byte b gets id 3 + b
         vocab[symbol] = len(vocab)
     merges: list[tuple[str, str]] = []
     for word in _MERGED_WORDS:
@@ -81,7 +81,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     return model
 
 
-def _byte_symbols() -> list[str]:
+def byte_symbols() -> list[str]:
     """GPT-2's bytes_to_unicode, in byte order: the symbol ByteLevel uses for each byte 0-255."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     symbols: list[str] = []

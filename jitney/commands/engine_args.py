@@ -17,7 +17,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default="smollm2-135m",
-        help="smollm2-135m (default), tiny-random, a Hugging Face model directory, or a .gguf file",
+        help="smollm2-135m (default), tiny-random, a Hugging Face model directory, a .gguf file, "
+        "or real-size random weights: random:llama-3.2-1b, random:llama-3.1-8b, random:qwen3-8b "
+        "(random:tiny = tiny-random)",
     )
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     g.add_argument(

@@ -56,15 +56,20 @@ def run_jitney(
     loaded: LoadedModel,
     requests: Sequence[TraceRequest],
     warmup: bool = True,
+    detokenize: bool = True,
 ) -> RunResult:
-    """Run the trace through the engine with `config.batching`; all requests at t=0."""
+    """Run the trace through the engine with `config.batching`; all requests at t=0.
+    `detokenize=False` runs the engine as a worker does: token ids out, the text left to the
+    gateway, so the step is what a served step costs."""
     engine = Engine(config, loaded=loaded)
     if warmup and requests:
         engine.generate([requests[0].prompt_ids], SamplingParams(max_tokens=2, temperature=0))
     clock = _Clock(time.perf_counter(), {}, {})
     outputs: dict[str, list[int]] = {}
     for r in requests:
-        params = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=r.output_len, temperature=0, ignore_eos=True, detokenize=detokenize
+        )
         engine.add_request(r.request_id, r.prompt_ids, params, arrival_time=time.monotonic())
         outputs[r.request_id] = []
     engine.flush()
@@ -96,6 +101,7 @@ def run_jitney(
             "peak_kv_blocks": peak_blocks,
             "kv_blocks_total": engine.block_manager.num_blocks,
             "phase_ms_per_step": _ms_per_step(phases, step_s, steps),
+            "detokenize": detokenize,
         },
     )
 
@@ -182,6 +188,7 @@ def run_offline_bench(
     baselines: Sequence[str],
     load: Callable[[], LoadedModel],
     say: Callable[[str], None] = print,
+    detokenize: bool = True,
 ) -> dict[str, Any]:
     """Baselines first (on a model left on transformers' attention), then each policy.
     Raises OfflineBenchError before running anything if the trace does not fit the model."""
@@ -206,7 +213,8 @@ def run_offline_bench(
     ours = []
     for policy in policies:
         say(f"running jitney --batching {policy} ...")
-        ours.append(run_jitney(replace(base_config, batching=policy), loaded, requests))
+        config = replace(base_config, batching=policy)
+        ours.append(run_jitney(config, loaded, requests, detokenize=detokenize))
         say(f"  jitney-{policy}: {ours[-1].tokens_per_s:.1f} useful tokens/s")
     return {
         "table": format_table(ours, base_results),

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from engine.capacity import KVCapacity, budget_bytes, plan_capacity
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampling import sample, with_seed
 from engine.step_timing import PhaseClock, StepTiming, sync_device
+from protocol.detokenizer import IncrementalDetokenizer
 from protocol.sampling import SamplingParams
 from scheduler import (
     BlockIntegrityError,
@@ -56,7 +56,7 @@ class _Request:
 
     seq: Sequence
     params: SamplingParams  # seeded if it samples (engine.sampling.with_seed)
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: token ids only (params.detokenize is False)
 
 
 class Engine:
@@ -137,6 +137,8 @@ class Engine:
         `output_token_ids`: tokens another worker already generated and delivered (a takeover).
         The request continues after them: their K/V is recomputed, the detokenizer replays them
         (so only text after them is emitted) and seeded sampling resumes at their position.
+        With `params.detokenize` off, outputs carry token ids only and stop strings are the
+        caller's: it aborts the request when it finds one.
         """
         resumed = list(output_token_ids or ())
         total = len(prompt_token_ids) + params.max_tokens
@@ -156,9 +158,13 @@ class Engine:
             sorted(stop_ids),
             resumed,
         )
-        detok = IncrementalDetokenizer.create(self.loaded.tokenizer, prompt_token_ids, params.stop)
-        for token in resumed:
-            detok.add(token)
+        detok = None
+        if params.detokenize:
+            detok = IncrementalDetokenizer.create(
+                self.loaded.tokenizer, prompt_token_ids, params.stop
+            )
+            for token in resumed:
+                detok.add(token)
         self.policy.add_request(seq)
         self.requests[request_id] = _Request(seq, with_seed(params), detok)
 
@@ -243,16 +249,25 @@ class Engine:
     def _detokenize(self, sampled: dict[str, int]) -> dict[str, RequestOutput]:
         """Each sampled token's text delta (a stop string found ends its request in update)."""
         outputs: dict[str, RequestOutput] = {}
+        requests = self.requests
         for seq_id, token in sampled.items():
-            req = self.requests[seq_id]
-            out = outputs[seq_id] = RequestOutput(seq_id, [token], req.detok.add(token))
+            req = requests[seq_id]
+            detok = req.detok
+            out = outputs[seq_id] = RequestOutput(seq_id, [token])
+            if detok is not None:
+                out.delta_text = detok.add(token)
             out.num_output_tokens = req.seq.num_output_tokens + 1
         return outputs
 
     def _postprocess(
         self, plan: StepPlan, sampled: dict[str, int], outputs: dict[str, RequestOutput]
     ) -> list[RequestOutput]:
-        stopped = {seq_id for seq_id in outputs if self.requests[seq_id].detok.stopped}
+        requests = self.requests
+        stopped = {
+            seq_id
+            for seq_id in outputs
+            if (detok := requests[seq_id].detok) is not None and detok.stopped
+        }
         for seq in self.policy.update(plan, sampled, stopped, time.monotonic()):
             final = self._final_output(self.requests.pop(seq.seq_id))
             delta = outputs.pop(seq.seq_id, None)
@@ -266,7 +281,7 @@ class Engine:
         seq = req.seq
         return RequestOutput(
             seq.seq_id,
-            delta_text=req.detok.finish(),
+            delta_text="" if req.detok is None else req.detok.finish(),
             finished=True,
             finish_reason=seq.status.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,

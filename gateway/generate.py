@@ -7,6 +7,10 @@ or 503 with nothing left behind):
    thread (chat template for chat);                          headers (stream) or wait (not);
 3. prompt + max_tokens within max_model_len (400);        6. relay replies until the final one.
 Leaving before the final reply (client gone, idle timeout, error) publishes a cancel.
+
+Workers send token ids; the text is made here (protocol.detokenizer), so it costs the workers'
+steps nothing and the gateways, which scale out, pay it. A stop string found here ends the
+response at once and cancels the rest of the work (the worker stops within a step or two).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from gateway.replies import InFlight
 from gateway.responses import DONE, KEEPALIVE, Kind, Responder, sse, usage
 from gateway.schema import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
 from gateway.service import Gateway
-from protocol import ReplyMessage, RequestMessage
+from protocol import STOP_STRING, ReplyMessage, RequestMessage
+from protocol.detokenizer import IncrementalDetokenizer
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 NORMAL_FINISH = frozenset({"stop", "length"})
@@ -64,7 +69,8 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     model = await gw.registry.resolve(parsed.model)
     prompt_ids = await _prompt_ids(gw, model, parsed)
-    sampling = replace(parsed.sampling, max_tokens=_max_tokens(gw, model, parsed, len(prompt_ids)))
+    max_tokens = _max_tokens(gw, model, parsed, len(prompt_ids))
+    sampling = replace(parsed.sampling, max_tokens=max_tokens, detokenize=False)
     await charge_tokens(request, len(prompt_ids) + sampling.max_tokens)  # per-key tokens/min
     await gw.backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
 
@@ -82,7 +88,8 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
         deadline=None if timeout is None else now + timeout,
     )
     in_flight = gw.router.register(responder.request_id, len(prompt_ids))
-    relay = _Relay(gw, in_flight, model, responder, len(prompt_ids), received)
+    detok = IncrementalDetokenizer.create(model.decoder, prompt_ids, sampling.stop)
+    relay = _Relay(gw, in_flight, model, responder, detok, len(prompt_ids), received)
     enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
     try:
         try:
@@ -94,8 +101,8 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
         return await (relay.stream(request) if parsed.stream else relay.collect())
     finally:
         gw.router.unregister(responder.request_id)
-        if enqueued and not relay.finished:  # client gone, timeout, failure: stop the work
-            gw.cancel_later(responder.request_id)
+        if enqueued and not relay.finished:  # stop string, client gone, timeout: stop the work
+            gw.cancel_later(responder.request_id, STOP_STRING if detok.stopped else "client_gone")
 
 
 async def _prompt_ids(
@@ -184,6 +191,7 @@ class _Relay:
         in_flight: InFlight,
         model: ServedModel,
         responder: Responder,
+        detok: IncrementalDetokenizer,
         num_prompt: int,
         received: float,
     ):
@@ -191,9 +199,10 @@ class _Relay:
         self.in_flight = in_flight
         self.model = model
         self.responder = responder
+        self.detok = detok
         self.num_prompt = num_prompt
         self.received = received
-        self.finished = False  # the final reply arrived
+        self.finished = False  # the worker's final reply arrived
         self.num_tokens = 0
         self._first = True
 
@@ -215,6 +224,19 @@ class _Relay:
         self.finished = reply.is_final
         return reply
 
+    def text_of(self, reply: ReplyMessage) -> str:
+        """The text that became final with this reply's tokens; at a normal end, also what was
+        held back (an incomplete character, a possible start of a stop string)."""
+        text = "".join([self.detok.add(token) for token in reply.token_ids])
+        if reply.finish_reason in NORMAL_FINISH:
+            text += self.detok.finish()
+        return text
+
+    def end_reason(self, reply: ReplyMessage) -> str | None:
+        """How the response ends after `reply` (None: it goes on). A stop string found here
+        ends it before the worker's final reply."""
+        return "stop" if self.detok.stopped else reply.finish_reason
+
     def usage(self, final: ReplyMessage) -> dict[str, Any]:
         return usage(
             final.prompt_tokens or self.num_prompt,
@@ -229,12 +251,12 @@ class _Relay:
                 reply = await self.next_reply(self._wait_limit())
             except TimeoutError:
                 raise idle_timeout_error() from None
-            parts.append(reply.text)
-            if reply.is_final:
+            parts.append(self.text_of(reply))
+            if (reason := self.end_reason(reply)) is not None:
                 break
-        if reply.finish_reason not in NORMAL_FINISH:
+        if reason not in NORMAL_FINISH:
             raise final_error(reply)
-        body = self.responder.body("".join(parts), reply.finish_reason or "stop", self.usage(reply))
+        body = self.responder.body("".join(parts), reason, self.usage(reply))
         return web.json_response(body, headers={"X-Request-Id": self.responder.request_id})
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
@@ -269,12 +291,12 @@ class _Relay:
                 await response.write(KEEPALIVE)
                 continue
             silent_s = 0.0
-            if reply.text:
-                await response.write(sse(r.chunk(reply.text)))
-            if not reply.is_final:
+            if text := self.text_of(reply):
+                await response.write(sse(r.chunk(text)))
+            if (reason := self.end_reason(reply)) is None:
                 continue
-            if reply.finish_reason in NORMAL_FINISH:
-                await response.write(sse(r.chunk("", reply.finish_reason)))
+            if reason in NORMAL_FINISH:
+                await response.write(sse(r.chunk("", reason)))
                 if r.include_usage:
                     await response.write(sse(r.usage_chunk(self.usage(reply))))
             else:

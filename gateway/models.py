@@ -6,7 +6,8 @@ Cards are found by a background scan and on a miss (so a worker that just starte
 once); each is re-read every `card_refresh_s` (a tokenizer JSON can be megabytes) and its
 tokenizer rebuilt only when the card changed.
 Tokenizing runs on one dedicated thread: it keeps long prompts off the event loop, and HF fast
-tokenizers are not safe to call from several threads at once.
+tokenizers are not safe to call from several threads at once. Detokenizing replies (a few
+microseconds a token) runs on the event loop, on a tokenizer instance of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from jinja2 import TemplateError
 from redis.exceptions import RedisError
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from gateway.errors import ApiError, bad_request, model_not_found
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ServedModel:
     card: ModelCard
-    tokenizer: PreTrainedTokenizerFast
+    tokenizer: PreTrainedTokenizerFast  # only on the tokenizer thread
+    decoder: Tokenizer  # only on the event loop: the replies' text (protocol.detokenizer)
     digest: str  # of the card's encoded form: a changed card rebuilds the tokenizer
     read_at: float  # monotonic seconds
 
@@ -185,9 +188,10 @@ class ModelRegistry:
         try:
             card = ModelCard.decode(fields)
             tokenizer = await self.run(tokenizer_from_card, card)
+            decoder = await self.run(Tokenizer.from_str, card.tokenizer_json)
         except Exception as e:  # one bad card must not stop the others
             log.warning("model card unusable model=%s error=%s", name, type(e).__name__)
             self._models.pop(name, None)
             return
-        self._models[name] = ServedModel(card, tokenizer, digest, time.monotonic())
+        self._models[name] = ServedModel(card, tokenizer, decoder, digest, time.monotonic())
         log.info("model card loaded model=%s max_model_len=%d", name, card.max_model_len)

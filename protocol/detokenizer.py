@@ -1,5 +1,8 @@
 """Incremental detokenization with stop strings, one instance per request.
 
+Shared by the gateway, which detokenizes what it serves (workers send token ids only, so the
+text costs their step nothing), and the offline engine, which detokenizes its own results.
+
 Text is emitted only when it is final: a token that ends inside a multi-byte UTF-8 character
 decodes to U+FFFD and is held back until the next token completes it, and text that could be the
 start of a stop string is held back until it is known not to be one. So the deltas, joined, are
@@ -43,10 +46,13 @@ class IncrementalDetokenizer:
 
     @classmethod
     def create(
-        cls, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], stop: tuple[str, ...] = ()
+        cls,
+        tokenizer: PreTrainedTokenizerBase | Tokenizer,
+        prompt_ids: list[int],
+        stop: tuple[str, ...] = (),
     ) -> IncrementalDetokenizer:
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
-        backend = tokenizer.backend_tokenizer
+        backend = tokenizer if isinstance(tokenizer, Tokenizer) else tokenizer.backend_tokenizer
         prefix_text = backend.decode(context, skip_special_tokens=True)
         return cls(backend, stop, context, _read_offset=len(context), _prefix_text=prefix_text)
 

@@ -93,12 +93,15 @@ class ReplyMessage(Message):
         return self.finish_reason is not None
 
 
+STOP_STRING = "stop"  # a cancel's reason when the request's text reached a stop string
+
+
 @dataclass(slots=True)
 class CancelMessage(Message):
     kind: ClassVar[str] = "cancel"
 
     request_id: str
-    reason: str = "client_gone"
+    reason: str = "client_gone"  # or STOP_STRING: the gateway's detokenizer found a stop string
 
 
 @dataclass(slots=True)

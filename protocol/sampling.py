@@ -25,6 +25,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # False: the engine returns token ids only and leaves text and stop strings to the caller
+    # (the gateway detokenizes what it serves, off the worker's step; vLLM has the same field).
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         for name, annotation in _FIELD_TYPES.items():

@@ -30,6 +30,7 @@ import redis
 from engine.llm_engine import Engine
 from protocol import (
     HEARTBEAT_INTERVAL_S,
+    STOP_STRING,
     CancelMessage,
     ModelCard,
     ProtocolError,
@@ -300,12 +301,15 @@ class WorkerService:
         entries = self.io.read_cancels(s.cancels_after)
         for entry in entries:
             try:
-                request_id = CancelMessage.decode(entry.fields).request_id
+                cancel = CancelMessage.decode(entry.fields)
             except ProtocolError as e:
                 logger.warning("bad_cancel %s", kv(entry=entry.entry_id, error=e))
                 continue
+            request_id = cancel.request_id
             out = self.engine.abort(request_id) if request_id in self.book.tracked else None
             if out is not None:
+                if cancel.reason == STOP_STRING:  # the gateway found a stop string: a normal end
+                    out.finish_reason = "stop"
                 self.book.finish(out, time.monotonic())
         if entries:
             s.cancels_after = entries[-1].entry_id

@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     off.add_argument("--output", default="bench-offline.json", help="results JSON")
     off.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    off.add_argument(
+        "--no-detokenize",
+        dest="detokenize",
+        action="store_false",
+        help="token ids only, as a worker runs (the gateway makes the text): the served step",
+    )
     add_engine_arguments(off)
     _add_serve_arguments(sub)
     add_report_arguments(sub)
@@ -178,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()}"
     )
     try:
-        report = run_offline_bench(config, requests, policies, baselines, load, say)
+        report = run_offline_bench(
+            config, requests, policies, baselines, load, say, args.detokenize
+        )
     except OfflineBenchError as e:  # a trace for another model, an unknown baseline
         raise SystemExit(f"bench offline: {e}") from None
     report["command"] = recorded_command()

@@ -22,11 +22,13 @@ from typing import Any
 
 import redis
 
+from engine.tiny_model import build_tiny_tokenizer
 from protocol import HEARTBEAT_INTERVAL_S, Keys, ModelCard, ReplyMessage, RequestMessage
 from tests.services import JitneyProcess, RedisServer, free_port, wait_for
 from worker.redis_io import Outbox, WorkerRedis
 
 MODEL = "tiny"
+TOKENIZER = build_tiny_tokenizer()
 MAX_MODEL_LEN = 64
 KEYS = Keys("jitney")
 FAKE_WORKER_ID = "fake-worker"  # its heartbeat's id and its consumer name, as for a real worker
@@ -49,18 +51,24 @@ def enqueued_total(r: redis.Redis) -> int:
     return int(r.xinfo_stream(KEYS.requests)["entries-added"]) if r.exists(KEYS.requests) else 0
 
 
+def tokens(text: str) -> list[int]:
+    """The token ids of `text` in the tiny tokenizer (byte-level: any text round-trips). Workers
+    send ids only; the gateway makes the text."""
+    return list(TOKENIZER.encode(text))
+
+
 def replies_for(
     request: RequestMessage, pieces: list[str], finish: str = "stop"
 ) -> list[ReplyMessage]:
-    """A generation as a worker replies it: one reply per token (ids 10, 11, ...), seq 0, 1,
+    """A generation as a worker replies it: one reply per piece of text (its tokens), seq 0, 1,
     ...; the last one final with the usage."""
     replies = [
-        ReplyMessage(request.request_id, seq, [10 + seq], text) for seq, text in enumerate(pieces)
+        ReplyMessage(request.request_id, seq, tokens(text)) for seq, text in enumerate(pieces)
     ]
     last = replies[-1]
     last.finish_reason = finish
     last.prompt_tokens = len(request.prompt_token_ids)
-    last.completion_tokens = len(pieces)
+    last.completion_tokens = sum(len(reply.token_ids) for reply in replies)
     return replies
 
 

@@ -9,7 +9,7 @@ import redis
 
 from gateway.config import GatewayConfig
 from protocol import WORKER_GROUP, ReplyMessage
-from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, assert_openai_error
+from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, assert_openai_error, tokens
 
 BODY = {"prompt": "hello", "stream": True}
 
@@ -76,7 +76,7 @@ async def test_queued_prompt_tokens_bound(
     assert served.xlen(KEYS.requests) == 1
 
     request = await fake_worker.take()  # a worker reads the first: its tokens leave the queue
-    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, tokens("a")))
     await first.content.readuntil(b"\n\n")
     third = await client.post("/v1/completions", json={**BODY, "prompt": [3, 4, 5]})
     assert third.status == 200

@@ -13,7 +13,7 @@ import aiohttp
 import redis
 
 from protocol import ModelCard, ReplyMessage
-from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, heartbeat, publish_card
+from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, heartbeat, publish_card, tokens
 from tests.services import JitneyProcess, RedisServer, free_port, http_status, wait_for
 
 NO_TORCH_SCRIPT = """
@@ -78,7 +78,7 @@ async def test_jitney_gateway_process_serves_and_cancels(
 
             response = await session.post(f"{base}/v1/completions", json=body)
             request = await fake_worker.take()
-            await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+            await fake_worker.reply(request, ReplyMessage(request.request_id, 0, tokens("a")))
             await response.content.readuntil(b"\n\n")
             response.close()
         await asyncio.to_thread(

@@ -11,7 +11,7 @@ import redis
 from aiohttp.test_utils import TestClient
 from transformers import PreTrainedTokenizerFast
 
-from protocol import CancelMessage, ReplyMessage
+from protocol import STOP_STRING, CancelMessage, ReplyMessage
 from tests.gateway.helpers import (
     KEYS,
     MODEL,
@@ -19,6 +19,7 @@ from tests.gateway.helpers import (
     MakeClient,
     assert_openai_error,
     eventually,
+    tokens,
 )
 
 Client = TestClient[Any, Any]
@@ -63,6 +64,7 @@ async def test_enqueued_chat_request_has_template_ids_and_sampling(
     s = request.sampling_params
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.5, 0.9, 20, 42)
     assert s.stop == ("\n",) and s.ignore_eos
+    assert not s.detokenize  # workers send token ids; this gateway makes the text
     await fake_worker.answer(request, ["Hi", " there"])
     response = await call
     assert response.status == 200
@@ -71,11 +73,11 @@ async def test_enqueued_chat_request_has_template_ids_and_sampling(
     assert out["model"] == MODEL and isinstance(out["created"], int)
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
     assert out["choices"][0]["finish_reason"] == "stop"
-    n = len(expected)
+    n, m = len(expected), len(tokens("Hi")) + len(tokens(" there"))
     assert out["usage"] == {
         "prompt_tokens": n,
-        "completion_tokens": 2,
-        "total_tokens": n + 2,
+        "completion_tokens": m,
+        "total_tokens": n + m,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
 
@@ -113,11 +115,11 @@ async def test_chat_stream_chunks_drop_duplicates_and_report_usage(
     call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     request = await fake_worker.take()
     rid = request.request_id
-    await fake_worker.reply(request, ReplyMessage(rid, 0, [10], "Hel"))
-    await fake_worker.reply(request, ReplyMessage(rid, 0, [10], "Hel"))  # redelivered: dropped
+    await fake_worker.reply(request, ReplyMessage(rid, 0, tokens("Hel")))
+    await fake_worker.reply(request, ReplyMessage(rid, 0, tokens("Hel")))  # redelivered: dropped
     await fake_worker.reply(
         request,
-        ReplyMessage(rid, 1, [11], "lo"),
+        ReplyMessage(rid, 1, tokens("lo")),
         ReplyMessage(rid, 2, [], "", "stop", prompt_tokens=9, completion_tokens=2),
     )
     response = await call
@@ -151,6 +153,63 @@ async def test_completion_stream_text_chunks(client: Client, fake_worker: FakeWo
     assert all("usage" not in e for e in events[:-1])
 
 
+async def test_text_is_made_from_token_ids_with_characters_held_until_complete(
+    client: Client, fake_worker: FakeWorker
+) -> None:
+    """Workers send token ids only. A character whose bytes span two replies is sent once it is
+    whole; the deltas join to the full text, and any text the worker sends is not used."""
+    body = {"prompt": "x", "stream": True}
+    call = asyncio.create_task(client.post("/v1/completions", json=body))
+    request = await fake_worker.take()
+    e_acute = tokens("é")
+    assert len(e_acute) == 2  # two byte tokens
+    rid = request.request_id
+    await fake_worker.reply(
+        request,
+        ReplyMessage(rid, 0, tokens("caf") + e_acute[:1], text="ignored"),
+        ReplyMessage(rid, 1, e_acute[1:] + tokens("!")),
+        ReplyMessage(rid, 2, [], finish_reason="length", completion_tokens=6),
+    )
+    events = sse_events(await (await call).text())
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert texts == ["caf", "é!", ""]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_string_found_by_the_gateway_ends_the_reply_and_cancels_the_work(
+    client: Client, fake_worker: FakeWorker, served: redis.Redis, stream: bool
+) -> None:
+    """The gateway detokenizes, so it finds stop strings: the text ends before the stop string
+    (even one spanning two replies), finish_reason is "stop", the usage counts the tokens
+    received, and a cancel with reason "stop" tells the worker to end the request."""
+    body = {"prompt": "x", "stop": ["END"], "max_tokens": 40, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    call = asyncio.create_task(client.post("/v1/completions", json=body))
+    request = await fake_worker.take()
+    rid = request.request_id
+    first, second = tokens("Hello E"), tokens("ND more")
+    await fake_worker.reply(request, ReplyMessage(rid, 0, first), ReplyMessage(rid, 1, second))
+    response = await call
+    assert response.status == 200
+    if stream:
+        events = sse_events(await response.text())
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-2])
+        reasons = [e["choices"][0]["finish_reason"] for e in events[:-2]]
+        assert reasons[-1] == "stop" and not any(reasons[:-1])
+        usage = events[-2]["usage"]
+    else:
+        out = await response.json()
+        text, usage = out["choices"][0]["text"], out["usage"]
+        assert out["choices"][0]["finish_reason"] == "stop"
+    assert text == "Hello "
+    assert usage["completion_tokens"] == len(first) + len(second)
+    entries = await eventually(lambda: served.xrange(KEYS.cancels))
+    cancel = CancelMessage.decode(entries[-1][1])
+    assert (cancel.request_id, cancel.reason) == (rid, STOP_STRING)
+
+
 async def test_worker_errors_map_to_http_errors(client: Client, fake_worker: FakeWorker) -> None:
     """Final error/abort/expired replies: 400/500/503/504 bodies, or an SSE error event."""
     cases = [
@@ -172,7 +231,7 @@ async def test_worker_errors_map_to_http_errors(client: Client, fake_worker: Fak
     request = await fake_worker.take()
     await fake_worker.reply(
         request,
-        ReplyMessage(request.request_id, 0, [10], "par"),
+        ReplyMessage(request.request_id, 0, tokens("par")),
         ReplyMessage(request.request_id, 1, finish_reason="error", error="oom", error_type="x"),
     )
     events = sse_events(await (await call).text())
@@ -187,7 +246,7 @@ async def test_client_disconnect_publishes_cancel(
     body = {"prompt": "x", "stream": True, "max_tokens": 40}
     response = await client.post("/v1/completions", json=body)
     request = await fake_worker.take()
-    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, tokens("a")))
     assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
     response.close()  # the client goes away with the generation still running
 
@@ -232,14 +291,14 @@ async def test_silent_workers_time_out_with_keepalives(
     request = await fake_worker.take()
     assert request.deadline is not None
     assert request.deadline - request.enqueue_time == pytest.approx(30)
-    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, tokens("a")))
     response = await call
     assert response.status == 504 and (await response.json())["error"]["code"] == "reply_timeout"
     await eventually(lambda: served.exists(KEYS.cancelled(request.request_id)))
 
     response = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
     request = await fake_worker.take()
-    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, [10], "a"))
+    await fake_worker.reply(request, ReplyMessage(request.request_id, 0, tokens("a")))
     raw = await response.text()
     assert ": keep-alive" in raw
     events = sse_events(raw)

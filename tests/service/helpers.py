@@ -9,10 +9,10 @@ import aiohttp
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import CompletedRequest, Engine
 from engine.model_loader import LoadedModel, load_model
 from protocol import SamplingParams
+from protocol.detokenizer import IncrementalDetokenizer
 from tests.engine.engine_helpers import NEAR_TIE, near_ties, next_token_logprobs
 
 MODEL = "tiny-random"

@@ -53,6 +53,37 @@ async def test_concurrent_streaming_and_plain_requests_match_offline(system):
         assert_same_greedy_text(ref, prompt, text, want)
 
 
+async def test_stop_string_cuts_the_text_in_the_gateway_and_ends_the_work(system):
+    """The gateway detokenizes and finds stop strings: the text, streamed or not, is the run
+    without the stop cut before it, finish_reason is "stop", and the worker ends the request
+    (counted as a "stop" finish) instead of generating to max_tokens."""
+    base, worker = system
+    n = 40
+    body = {"model": MODEL, "prompt": [5, 9, 40, 77], "max_tokens": n, "temperature": 0}
+    body["ignore_eos"] = True
+    async with aiohttp.ClientSession() as session:
+        full, usage = await stream_completion(session, base, body)
+        assert usage["completion_tokens"] == n
+        # A stop string that first occurs after the first character.
+        at = next(i for i in range(1, len(full) - 1) if full.find(full[i : i + 2]) == i)
+        stop = full[at : at + 2]
+        stops_before = worker.metric("jitney_requests_finished_total", reason="stop")
+        body["stop"] = [stop]
+        streamed, streamed_usage = await stream_completion(session, base, body)
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            plain = await resp.json()
+    assert streamed == plain["choices"][0]["text"] == full[:at]
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    assert streamed_usage["completion_tokens"] < n and plain["usage"]["completion_tokens"] < n
+    wait_for(
+        lambda: worker.metric("jitney_requests_finished_total", reason="stop") == stops_before + 2,
+        10,
+        "both requests ended by the worker as stopped",
+    )
+    wait_for(lambda: worker.metric("jitney_requests_running") == 0, 10, "running back to 0")
+
+
 async def test_client_gone_mid_stream_frees_slot_and_kv(system):
     """Closing the connection mid-stream: the worker aborts, running and KV usage return to 0."""
     base, worker = system

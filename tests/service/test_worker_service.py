@@ -16,6 +16,7 @@ from engine.llm_engine import Engine
 from engine.model_loader import load_model
 from engine.step_timing import PHASES, PUBLISH
 from protocol import (
+    STOP_STRING,
     WORKER_GROUP,
     CancelMessage,
     Keys,
@@ -153,16 +154,19 @@ def test_concurrent_greedy_requests_match_offline_generate(stack, replies):
     assert pending_ids(r) == []  # every entry acknowledged
 
 
-def test_cancel_mid_generation_frees_slot_and_kv(stack, replies):
-    """A cancel ends a running request within a step: final `abort`, running 0, KV back to 0."""
+@pytest.mark.parametrize(("reason", "finish"), [("client_gone", "abort"), (STOP_STRING, "stop")])
+def test_cancel_mid_generation_frees_slot_and_kv(stack, replies, reason, finish):
+    """A cancel ends a running request within a step: final `abort` (`stop` when the gateway
+    found a stop string: a normal end), running 0, KV back to 0."""
     r, worker = stack
-    send(r, "cancel-me", [5, 6, 7, 8], LONG)
-    replies.wait_for_tokens("cancel-me", 3)
-    r.set(KEYS.cancelled("cancel-me"), 1, ex=60)
-    r.xadd(KEYS.cancels, CancelMessage("cancel-me").encode())
-    final = replies.wait("cancel-me")["cancel-me"]
-    tokens = replies.tokens("cancel-me")
-    assert final.finish_reason == "abort" and 3 <= len(tokens) < LONG
+    rid = f"cancel-{reason}"
+    send(r, rid, [5, 6, 7, 8], LONG)
+    replies.wait_for_tokens(rid, 3)
+    r.set(KEYS.cancelled(rid), 1, ex=60)
+    r.xadd(KEYS.cancels, CancelMessage(rid, reason).encode())
+    final = replies.wait(rid)[rid]
+    tokens = replies.tokens(rid)
+    assert final.finish_reason == finish and 3 <= len(tokens) < LONG
     assert final.completion_tokens == len(tokens)
     wait_for(lambda: worker.metric("jitney_requests_running") == 0, 10, "running 0")
     assert worker.metric("jitney_kv_cache_usage_ratio") == 0

@@ -1,58 +1,25 @@
-"""Helpers for engine tests: a reference model, and parity checks with the near-tie rule.
-
-Our output may leave the reference's greedy output at a numerical near-tie (as vLLM's tests
-allow). From there on, each of our tokens is judged teacher-forced: given the reference model and
-our own tokens before it, it must be the argmax, or within NEAR_TIE of it.
+"""Helpers for engine tests: an engine on a loaded model, and parity checks with the near-tie
+rule (bench/parity.py, which the GPU check shares) as assertions.
 """
 
 from __future__ import annotations
 
-import torch
-
+from bench.parity import (  # noqa: F401  (re-exported for the tests)
+    NEAR_TIE,
+    gap_to_argmax,
+    greedy_parity_failure,
+    near_ties,
+    next_token_logprobs,
+    reference_greedy,
+    teacher_forced_failure,
+)
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.model_loader import LoadedModel
 
-NEAR_TIE = 1e-3  # log-prob gap to the argmax under which a different greedy token is a tie
-
 
 def make_engine(loaded: LoadedModel, **config: object) -> Engine:
     return Engine(EngineConfig(model=loaded.name, **config), loaded=loaded)  # type: ignore[arg-type]
-
-
-def reference_greedy(ref: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers `generate` of one request alone, greedy, EOS ignored (not suppressed:
-    min_new_tokens would mask EOS out, ignore_eos only keeps going after it)."""
-    ids = torch.tensor([prompt])
-    # NOTE: a GenerationConfig object with eos_token_id=None is merged with the model's own EOS
-    # ids in transformers 5.24; the keyword override really disables EOS stopping.
-    out = ref.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def next_token_logprobs(ref: LoadedModel, tokens: list[int]) -> torch.Tensor:
-    """The reference's next-token log-probs after every prefix of `tokens`, from one forward
-    pass: row k is the distribution after tokens[: k + 1]."""
-    with torch.inference_mode():
-        logits = ref.model(torch.tensor([tokens])).logits[0].float()
-    return logits.log_softmax(-1)
-
-
-def gap_to_argmax(row: torch.Tensor, token: int) -> float:
-    return float(row.max() - row[token])
-
-
-def near_ties(row: torch.Tensor) -> list[int]:
-    """The argmax and every token within NEAR_TIE of it, likeliest first."""
-    close = (row > row.max() - NEAR_TIE).nonzero().flatten()
-    return close[row[close].argsort(descending=True)].tolist()
 
 
 def assert_teacher_forced(
@@ -60,15 +27,8 @@ def assert_teacher_forced(
 ) -> None:
     """Each got[j], j >= start, is the reference's argmax after prompt + got[:j], or within
     NEAR_TIE of it."""
-    if start >= len(got):
-        return
-    rows = next_token_logprobs(ref, prompt + got[:-1])[len(prompt) - 1 :]
-    for j in range(start, len(got)):
-        gap = gap_to_argmax(rows[j], got[j])
-        assert gap < NEAR_TIE, (
-            f"token {j}: got {got[j]}, the reference's argmax is {int(rows[j].argmax())}; "
-            f"log-prob gap {gap:.2e} is no near-tie (tolerance {NEAR_TIE:g})"
-        )
+    failure = teacher_forced_failure(ref, prompt, got, start)
+    assert failure is None, failure
 
 
 def assert_greedy_parity(
@@ -77,7 +37,5 @@ def assert_greedy_parity(
     """`got` equals the reference's greedy `want` token for token, or leaves it at a near-tie
     and from there on holds to the near-tie rule teacher-forced (every later token is checked,
     not only the first that differs)."""
-    assert len(got) == len(want), f"length {len(got)} != {len(want)}"
-    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-    if first is not None:
-        assert_teacher_forced(ref, prompt, got, first)
+    failure = greedy_parity_failure(ref, prompt, got, want)
+    assert failure is None, failure

@@ -41,12 +41,26 @@ class KVCapacity:
         return "\n".join(lines)
 
 
-def budget_bytes(config: EngineConfig, device: torch.device) -> int:
+def budget_bytes(config: EngineConfig, device: torch.device, step_peak: int | None = None) -> int:
+    """The KV cache's bytes: as configured; on CUDA, the memory `gpu_memory_utilization` allows
+    minus what is allocated (the weights) minus the largest step's peak (engine.memory_profile;
+    without it, all that is free beyond the utilization's headroom); on CPU, 1 GiB."""
     if config.kv_cache_memory is not None:
         return parse_bytes(config.kv_cache_memory)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        # What is still free after the weights, minus headroom for activations.
+        if step_peak is not None:
+            allowed = config.gpu_memory_utilization * total
+            budget = int(allowed - torch.cuda.memory_allocated(device) - step_peak)
+            logger.info(
+                "kv budget %.2f GiB = %.0f%% of %.1f GiB - %.2f GiB allocated - %.2f GiB step peak",
+                budget / 2**30,
+                100 * config.gpu_memory_utilization,
+                total / 2**30,
+                torch.cuda.memory_allocated(device) / 2**30,
+                step_peak / 2**30,
+            )
+            return max(0, min(budget, free))
         reserve = (1 - config.gpu_memory_utilization) * total
         return max(0, int(free - reserve))
     return parse_bytes(CPU_DEFAULT_KV_MEMORY)

@@ -30,6 +30,8 @@ class EngineConfig:
     max_preemptions_per_seq: int = SCHED.max_preemptions_per_seq
     max_model_len: int | None = None  # None: the model's, capped to what the KV cache holds
     enable_prefix_caching: bool = True
+    # CUDA graphs for decode-only steps (engine/decode_graphs.py); True: every step eager.
+    enforce_eager: bool = False
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from engine.capacity import KVCapacity, budget_bytes, plan_capacity
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.memory_profile import step_peak_bytes
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampling import sample, with_seed
@@ -79,15 +80,24 @@ class Engine:
             model.dtype,
             config.block_size,
         )
-        budget = budget_bytes(config, self.device)
+        step_peak = None
+        if self.device.type == "cuda" and config.kv_cache_memory is None:
+            # What the largest step needs beside the cache, measured (engine/memory_profile.py).
+            step_peak = step_peak_bytes(
+                model, spec, config.max_num_batched_tokens, config.max_num_seqs
+            )
+        budget = budget_bytes(config, self.device, step_peak)
         self.capacity: KVCapacity = plan_capacity(config, spec, self.loaded.max_model_len, budget)
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.
-        self.kv_cache = PagedKVCache(spec, self.capacity.num_blocks, self.device)
+        # One block more than the scheduler's: the scratch block padded decode rows write to.
+        self.kv_cache = PagedKVCache(spec, self.capacity.num_blocks + 1, self.device)
         self.block_manager = KVBlockManager(
             self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.policy = make_policy(config.batching, config.scheduler_config(), self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
         self.last_step_timing = StepTiming()  # the phases of the last step (the worker exports)

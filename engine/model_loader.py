@@ -118,13 +118,16 @@ def load_model(
         )
 
     model.eval()
-    loaded = _describe(model, tokenizer, name)
+    loaded = describe_loaded(model, tokenizer, name)
     num_params = sum(p.numel() for p in model.parameters())
     say(f"model ready: {name} on {device} {dtype}, {num_params / 1e6:.1f}M params")
     return loaded
 
 
-def _describe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, name: str) -> LoadedModel:
+def describe_loaded(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, name: str
+) -> LoadedModel:
+    """The LoadedModel of a model built elsewhere (eval mode, on its device and dtype)."""
     config = model.config
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads

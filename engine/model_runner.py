@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from engine.decode_graphs import DecodeGraphs, width_bucket
 from engine.input_batch import InputBatch
 from engine.kv_cache import PagedKVCache
 from engine.paged_attention import AttentionMetadata, model_forward, use_paged_attention
@@ -20,6 +21,21 @@ class ModelRunner:
         # Block tables and the upload buffer persist across steps (engine/input_batch.py).
         self.batch = InputBatch(self.device)
         use_paged_attention(model)
+        # Decode-only steps at padded shapes (CUDA graphs); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
+        self._graph_ctx: list[int] | None = None  # set by prepare for a step graphs take
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
+        """Run decode-only steps through DecodeGraphs (the KV pool's last block is their
+        scratch block, so it must lie outside the block manager's pool)."""
+        blocks = -(-max_model_len // self.kv_cache.block_size)
+        self.graphs = DecodeGraphs(
+            lambda ids, meta: model_forward(self.model, ids, None, meta, self.kv_cache),
+            self.kv_cache,
+            max_batch,
+            width_bucket(blocks),
+            capture,
+        )
 
     # The engine calls prepare then forward, timing each as a phase (engine/step_timing.py).
     def prepare(
@@ -40,6 +56,11 @@ class ModelRunner:
             else:  # a decode feeds back the token sampled last
                 input_ids.append(seq.output_token_ids[-1])
             layout.append((chunk.start, chunk.num_tokens, block_ids(chunk.seq_id)))
+        self._graph_ctx = None
+        if self.graphs is not None and not any(c.is_prefill for c in plan.chunks):
+            ctx_lens = [c.start + 1 for c in plan.chunks]
+            if self.graphs.fits(len(ctx_lens), max(ctx_lens)):
+                self._graph_ctx = ctx_lens
         return AttentionMetadata.build(
             layout,
             self.kv_cache,
@@ -52,5 +73,13 @@ class ModelRunner:
     def forward(self, metadata: AttentionMetadata) -> torch.Tensor:
         """One pass over the prepared chunks: float32 logits [S, vocab], one row per chunk that
         samples, in chunk order. On CUDA it returns before the kernels finish."""
-        logits = model_forward(self.model, metadata.input_ids, None, metadata, self.kv_cache)
+        ctx_lens, self._graph_ctx = self._graph_ctx, None
+        if ctx_lens is not None and self.graphs is not None:
+            assert metadata.input_ids is not None and metadata.table_rows is not None
+            tables = self.batch.block_table[metadata.table_rows]
+            logits = self.graphs.run(
+                metadata.input_ids, metadata.positions, metadata.slot_mapping, tables, ctx_lens
+            )
+        else:
+            logits = model_forward(self.model, metadata.input_ids, None, metadata, self.kv_cache)
         return logits.float()

@@ -98,6 +98,8 @@ class AttentionMetadata:
     masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
     # window -> [Bd, keys] additive mask over every decode; each group's mask is a view of it.
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # [T] each token's row of the InputBatch block table (the CUDA-graph path copies rows).
+    table_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -208,6 +210,7 @@ class AttentionMetadata:
             decodes=dec_groups,
             decode_ctx=dec_ctx_t,
             prefills=prefills,
+            table_rows=token_rows_t,
         )
         for g in range(len(dec_groups)):
             meta.decode_mask(g, None)

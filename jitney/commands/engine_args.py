@@ -71,6 +71,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="context window (default: the model's, capped to the KV cache)",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: decode-only steps run eagerly like every other step",
+    )
     g.add_argument("--cache-dir", default=None, help="converted-model cache (JITNEY_CACHE_DIR)")
 
 
@@ -92,6 +97,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         max_preemptions_per_seq=args.max_preemptions_per_seq,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
         cache_dir=args.cache_dir,
     )
     fields.update(overrides)

@@ -1,0 +1,177 @@
+"""Decode-only steps at fixed shapes, replayed as CUDA graphs: the CPU launches one graph instead
+of a few hundred kernels per layer (vLLM's idea; on a GPU a small model's decode step is mostly
+launch overhead).
+
+A graph needs the same tensors and shapes on every replay, so a decode-only step is padded:
+- the batch to the next bucket (1, 2, 4, 8, then multiples of 8 up to `max_batch`);
+- every block table to `width` blocks, the next power of two covering the longest context, read
+  as one decode group with a mask from each row's context length (rows attend `[0, ctx)`);
+- padding rows decode token 0 at position 0 with context 1, reading and writing one scratch block
+  that belongs to no sequence (the engine allocates the KV pool one block larger), so they never
+  touch a real sequence's K/V.
+Inputs are copied into static buffers, then the graph of that (batch, width) replays; it is
+captured the first time that pair occurs, after two warm-up runs on a side stream (the standard
+recipe). Mixed steps (any prefill chunk), batches above the largest bucket and steps whose padded
+read would pass `max_read_bytes` run eagerly as before. Off the GPU the same padded path can run
+without capture: the tests check it against the eager path token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import PagedKVCache
+from engine.paged_attention import AttentionMetadata, DecodeGroup
+
+logger = logging.getLogger("jitney.engine.graphs")
+
+Forward = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... (multiples of 8), up to and including `max_batch`."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch]
+    buckets += list(range(8, max_batch, 8))
+    return [*buckets, max_batch]
+
+
+def width_bucket(blocks: int) -> int:
+    """The next power of two >= blocks (at least 4): few graphs, at most 2x the keys read."""
+    return max(4, 1 << (blocks - 1).bit_length())
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: the padded path runs eagerly (no capture)
+    logits: torch.Tensor | None = None  # the captured output, rewritten by each replay
+
+
+@dataclass
+class DecodeGraphs:
+    """Static buffers and the graphs captured so far, for one model on one KV cache."""
+
+    forward: Forward  # (input ids [Bp], metadata) -> logits [Bp, vocab], as the runner's
+    kv_cache: PagedKVCache
+    max_batch: int
+    max_width: int  # blocks per table: the static tables' width (the longest context's)
+    capture: bool  # CUDA graphs; False: the same padded path, eagerly (tests off the GPU)
+    buckets: list[int] = field(init=False)
+    graphs: dict[tuple[int, int], _Graph] = field(init=False, default_factory=dict)
+    num_steps: int = 0  # decode steps run on this path (replayed, or padded eagerly)
+    failed: str | None = None  # why capture was given up (then every step runs eagerly)
+    # A padded step reads padded x width blocks per layer into one workspace: past this, eager.
+    max_read_bytes: int = 1 << 30
+    _pool: object | None = None
+
+    def __post_init__(self) -> None:
+        self.buckets = batch_buckets(self.max_batch)
+        device = self.kv_cache.device
+        n, w = self.max_batch, self.max_width
+        self.scratch_block = self.kv_cache.num_blocks - 1  # outside the block manager's pool
+        scratch_slot = self.scratch_block * self.kv_cache.block_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.ctx = torch.ones(n, dtype=torch.long, device=device)
+        self.tables = torch.full((n, w), self.scratch_block, dtype=torch.long, device=device)
+        self.logits_rows = torch.arange(n, device=device)
+        self._scratch_slot = scratch_slot
+
+    def fits(self, batch: int, max_ctx: int) -> bool:
+        """Whether a decode step of `batch` rows, the longest at context `max_ctx`, goes here."""
+        if self.failed is not None or batch > self.max_batch:
+            return False
+        width = width_bucket(-(-max_ctx // self.kv_cache.block_size))
+        padded = next(b for b in self.buckets if b >= batch)
+        spec = self.kv_cache.spec
+        block_bytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype_size
+        return width <= self.max_width and padded * width * block_bytes <= self.max_read_bytes
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [B] the step's tokens
+        positions: torch.Tensor,  # [B]
+        slots: torch.Tensor,  # [B]
+        tables: torch.Tensor,  # [B, cols] block-table rows (entries past a context: any id)
+        ctx_lens: Sequence[int],  # host copy of each row's context length (positions + 1)
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of one decode-only step (B <= max_batch)."""
+        batch = len(ctx_lens)
+        padded = next(b for b in self.buckets if b >= batch)
+        width = width_bucket(-(-max(ctx_lens) // self.kv_cache.block_size))
+        self.input_ids[:batch] = input_ids
+        self.positions[:batch] = positions
+        self.slots[:batch] = slots
+        self.ctx[:batch] = positions + 1
+        cols = min(width, tables.shape[1])
+        self.tables[:batch, :cols] = tables[:, :cols]
+        if cols < width:  # past every context: masked, but must be a valid block id
+            self.tables[:batch, cols:width] = self.scratch_block
+        if padded > batch:  # rows a larger step left behind must not write real slots
+            self.input_ids[batch:padded] = 0
+            self.positions[batch:padded] = 0
+            self.slots[batch:padded] = self._scratch_slot
+            self.ctx[batch:padded] = 1
+            self.tables[batch:padded, :width] = self.scratch_block
+        logits = self._replay(padded, width)
+        self.num_steps += 1
+        return logits[:batch]
+
+    def _metadata(self, padded: int, width: int) -> AttentionMetadata:
+        cache = self.kv_cache
+        group = DecodeGroup(
+            rows=slice(0, padded),
+            blocks=self.tables[:padded, :width].reshape(-1),
+            members=slice(0, padded),
+            num_blocks=width,
+            min_len=0,  # always masked by each row's context, never assumed full
+        )
+        return AttentionMetadata(
+            slot_mapping=self.slots[:padded],
+            positions=self.positions[:padded],
+            logits_indices=self.logits_rows[:padded],
+            input_ids=self.input_ids[:padded],
+            block_size=cache.block_size,
+            mask_dtype=cache.spec.dtype,
+            decodes=[group],
+            decode_ctx=self.ctx[:padded],
+            prefills=[],
+        )
+
+    def _step(self, padded: int, width: int) -> torch.Tensor:
+        return self.forward(self.input_ids[:padded], self._metadata(padded, width))
+
+    def _replay(self, padded: int, width: int) -> torch.Tensor:
+        if not self.capture:
+            return self._step(padded, width)
+        entry = self.graphs.get((padded, width))
+        if entry is None:
+            try:
+                entry = self.graphs[(padded, width)] = self._capture(padded, width)
+            except RuntimeError as e:  # give up on graphs, keep serving eagerly
+                self.failed = f"capture of batch {padded} width {width} failed: {e}"
+                logger.warning("cuda graphs off: %s", self.failed)
+                return self._step(padded, width)
+        assert entry.graph is not None and entry.logits is not None
+        entry.graph.replay()
+        return entry.logits
+
+    def _capture(self, padded: int, width: int) -> _Graph:
+        # Warm-up on a side stream first: lazy initialisations (workspace growth, cuBLAS
+        # handles) must not happen inside the capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(padded, width)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(padded, width)
+        self._pool = graph.pool()  # graphs share one memory pool (they never run at once)
+        logger.debug("captured decode graph batch=%d width=%d", padded, width)
+        return _Graph(graph, logits)

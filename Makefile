@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install redis tools up test test-fast test-slow lint simulate clean
+.PHONY: install redis tools up test test-fast test-slow lint simulate clean gpu-check
 
 install: $(STAMP) redis tools
 
@@ -56,6 +56,15 @@ $(STAMP): pyproject.toml Makefile
 # Extra flags: make up ARGS='--workers 2 --batching static'
 up: $(STAMP) redis
 	$(BIN)/jitney up $(ARGS)
+
+# The GPU bring-up check (bench/gpu_check.sh): correctness, the 8B decode step, a mixed trace.
+# On a GPU machine without this venv it runs under python3 from a plain copy; here, e.g.
+#   make gpu-check GPU_CHECK_ARGS='--device cpu' GPU_CHECK_OUT=/tmp/gpu-check
+GPU_CHECK_OUT ?= bench/results/gpu/$(shell date +%Y-%m-%d)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) \
+	    bench/gpu_check.sh $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 simulate: $(STAMP)
 	$(BIN)/jitney simulate --scenario seed --plot simulate-seed.png

@@ -11,6 +11,7 @@ the request's completion. Both runners generate exactly `output_len` tokens per 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -33,6 +34,11 @@ from engine.step_timing import sync_device
 
 HF_GENERATE = "hf-generate"
 HF_CB = "hf-cb"
+_CB_PAGE_KEY = (
+    "page_size"
+    if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    else "block_size"
+)
 NO_EOS = -1  # transformers' own "no end-of-sequence token" for both generate and CB
 
 # Settings `best_hf_cb` tries when given none; each is a set of ContinuousBatchingConfig fields.
@@ -211,12 +217,15 @@ def run_hf_cb(loaded: LoadedModel, requests: Sequence[TraceRequest], **settings:
     the KV cache (and an attention mask over all of it) from 60 % of free RAM on CPU.
     """
     settings = dict(settings)
-    if "block_size" in settings:  # deprecated since 5.17 in favour of page_size
-        settings["page_size"] = settings.pop("block_size")
+    # The page size is `page_size` in newer transformers, `block_size` in 5.17 and before.
+    page_key = _CB_PAGE_KEY
+    for name in ("page_size", "block_size"):
+        if name in settings:
+            settings[page_key] = settings.pop(name)
     cb_config = ContinuousBatchingConfig(**settings)
     if cb_config.num_blocks is None:
         cb_config.num_blocks = sum(
-            -(-(len(r.prompt_ids) + r.output_len) // cb_config.page_size) for r in requests
+            -(-(len(r.prompt_ids) + r.output_len) // getattr(cb_config, page_key)) for r in requests
         )
     # Each request gets its own length and NO_EOS (add_request's None means "the config's EOS").
     gen_config = GenerationConfig(
@@ -274,7 +283,7 @@ def run_hf_cb(loaded: LoadedModel, requests: Sequence[TraceRequest], **settings:
             "settings": settings,
             "resolved": {
                 key: getattr(resolved, key)
-                for key in ("max_batch_tokens", "max_requests_per_batch", "num_blocks", "page_size")
+                for key in ("max_batch_tokens", "max_requests_per_batch", "num_blocks", page_key)
             },
             "length_mismatch": mismatched,  # request id -> tokens generated, when != output_len
             "errors": {rid: res.error for rid, res in results.items() if res.error},
@@ -288,16 +297,24 @@ def best_hf_cb(
     requests: Sequence[TraceRequest],
     candidates: Sequence[dict[str, Any]] | None = None,
 ) -> RunResult:
-    """Run hf-cb once per settings and return the fastest, with every attempt in extra['tried']."""
+    """Run hf-cb once per settings and return the fastest, with every attempt in extra['tried'].
+    Settings a transformers version refuses (its memory planner, say) are recorded and skipped;
+    if every one fails, the last error is raised."""
     tried: list[dict[str, Any]] = []
     best: RunResult | None = None
+    error: Exception | None = None
     for settings in DEFAULT_CB_CANDIDATES if candidates is None else candidates:
-        result = run_hf_cb(loaded, requests, **settings)
+        try:
+            result = run_hf_cb(loaded, requests, **settings)
+        except (RuntimeError, ValueError, MemoryError) as e:
+            tried.append({"settings": dict(settings), "error": f"{type(e).__name__}: {e}"})
+            error = e
+            continue
         tps, wall = result.tokens_per_s, result.wall_s
         tried.append({"settings": dict(settings), "tokens_per_s": tps, "wall_s": wall})
         if best is None or result.tokens_per_s > best.tokens_per_s:
             best = result
     if best is None:
-        raise ValueError("best_hf_cb needs at least one candidate")
+        raise error or ValueError("best_hf_cb needs at least one candidate")
     best.extra["tried"] = tried
     return best

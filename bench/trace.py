@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(slots=True, frozen=True)
@@ -20,7 +21,11 @@ class TraceRequest:
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
     """Read a shared/traces file; `limit` keeps only the first requests (in trace order)."""
-    data = json.loads(Path(path).read_text())
+    return trace_requests(json.loads(Path(path).read_text()), limit)
+
+
+def trace_requests(data: dict[str, Any], limit: int | None = None) -> list[TraceRequest]:
+    """The requests of a trace already in memory (the shared/traces format)."""
     return [
         TraceRequest(
             request_id=str(r["id"]),

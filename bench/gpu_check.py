@@ -1,0 +1,554 @@
+"""What a lent GPU's few minutes should measure, in one run: `bench/gpu_check.sh OUT_DIR`.
+
+Three sections, each recorded even when another fails (results.json + results.md in OUT_DIR):
+1. correctness: on random:tiny, the engine's greedy tokens against transformers (the near-tie
+   rule of bench/parity.py) with requests joining mid-run, chunked prefill and a KV pool small
+   enough to force preemption; fp32. Then bf16: the share of requests whose first 32 tokens
+   equal the fp32 run's.
+2. decode: random:llama-3.1-8b in bf16, every sequence decoding with a 512-token context, at
+   batch 1..256: ms per step, eager and with CUDA graphs, next to the weight-read bound (weight
+   bytes over the device bandwidth, measured first with a large copy).
+3. mixed: 256 requests with mixed-64's output lengths, all at t=0, on random:llama-3.2-1b:
+   Jitney continuous against transformers `generate` (static batches) and transformers'
+   continuous batching, useful tokens/s and the ratios.
+`--device cpu` runs the same code at small shapes (a test in `make test` does), so the script is
+known to work before a GPU sees it. It needs only torch, transformers, tokenizers and numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from bench.baselines import RunResult, best_hf_cb, run_hf_generate
+from bench.offline import run_jitney
+from bench.parity import greedy_parity_failure, reference_greedy
+from bench.synthetic_trace import MIXED, synthetic_trace
+from bench.trace import TraceRequest, trace_requests
+from engine.config import EngineConfig
+from engine.llm_engine import Engine
+from engine.model_loader import LoadedModel, describe_loaded, load_model
+from engine.random_models import RANDOM_PREFIX, build_random_model, random_model_config
+from engine.step_timing import sync_device
+from protocol.sampling import SamplingParams
+
+BF16_AGREEMENT_TOKENS = 32
+# Small shapes for --device cpu: the family's layout (GQA, RoPE type, real vocabulary), shrunk.
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """The sizes of one run: the real ones on a GPU, small ones on a CPU."""
+
+    dtype: torch.dtype
+    decode_model: str
+    decode_batches: tuple[int, ...]
+    decode_context: int
+    decode_steps: int
+    mixed_model: str
+    mixed_requests: int
+    mixed_max_output: int | None  # None: mixed-64's own lengths (up to 512)
+    hf_batch_size: int
+    copy_bytes: int  # the bandwidth probe's buffer
+    graph_batch: int  # the small model's decode batch for the graphs-vs-eager comparison
+    overrides: dict[str, int] = field(default_factory=dict)
+
+
+GPU_PROFILE = Profile(
+    dtype=torch.bfloat16,
+    decode_model="llama-3.1-8b",
+    decode_batches=(1, 16, 64, 128, 256),
+    decode_context=512,
+    decode_steps=32,
+    mixed_model="llama-3.2-1b",
+    mixed_requests=256,
+    mixed_max_output=None,
+    hf_batch_size=64,
+    copy_bytes=4 << 30,
+    graph_batch=16,
+)
+CPU_PROFILE = Profile(
+    dtype=torch.float32,
+    decode_model="llama-3.1-8b",
+    decode_batches=(1, 4, 16),
+    decode_context=64,
+    decode_steps=4,
+    mixed_model="llama-3.2-1b",
+    mixed_requests=8,
+    mixed_max_output=12,
+    hf_batch_size=4,
+    copy_bytes=64 << 20,
+    graph_batch=4,
+    overrides=SMALL,
+)
+
+
+# ----- 1. correctness ---------------------------------------------------------------------------
+def _correctness_requests(seed: int = 0) -> list[tuple[list[int], int]]:
+    """12 (prompt, max_tokens): prompts up to 60 tokens (chunked under a 32-token budget)."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(8, 280) for _ in range(rng.randint(5, 60))], rng.randint(24, 40))
+        for _ in range(12)
+    ]
+
+
+def _run_joining(engine: Engine, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Half the requests first, the rest after 5 steps (they join a running batch); greedy."""
+    outputs: dict[str, list[int]] = {}
+    half = len(requests) // 2
+
+    def add(indices: range) -> None:
+        for i in indices:
+            prompt, n = requests[i]
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            engine.add_request(str(i), prompt, params)
+            outputs[str(i)] = []
+
+    add(range(half))
+    steps = 0
+    while engine.has_unfinished() or len(outputs) < len(requests):
+        if steps == 5:
+            add(range(half, len(requests)))
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        steps += 1
+    return [outputs[str(i)] for i in range(len(requests))]
+
+
+def _small_pool_engine(loaded: LoadedModel, num_blocks: int) -> Engine:
+    block_size = 16
+    config = EngineConfig(
+        model=loaded.name,
+        device=str(loaded.model.device),
+        kv_cache_memory=str(num_blocks * block_size * loaded.kv_bytes_per_token),
+        block_size=block_size,
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+    )
+    return Engine(config, loaded=loaded)
+
+
+def check_correctness(device: torch.device) -> dict[str, Any]:
+    requests = _correctness_requests()
+    ref = load_model(f"{RANDOM_PREFIX}tiny", device, torch.float32)  # transformers' attention
+    engine = _small_pool_engine(load_model(f"{RANDOM_PREFIX}tiny", device, torch.float32), 20)
+    fp32 = _run_joining(engine, requests)
+    preemptions = engine.policy.stats.num_preemptions_total
+    failures, exact = {}, 0
+    for i, ((prompt, n), got) in enumerate(zip(requests, fp32, strict=True)):
+        want = reference_greedy(ref, prompt, n)
+        exact += got == want
+        if (why := greedy_parity_failure(ref, prompt, got, want)) is not None:
+            failures[str(i)] = why
+    bf16_engine = _small_pool_engine(load_model(f"{RANDOM_PREFIX}tiny", device, torch.bfloat16), 20)
+    bf16 = _run_joining(bf16_engine, requests)
+    k = BF16_AGREEMENT_TOKENS
+    agree = sum(a[:k] == b[:k] for a, b in zip(fp32, bf16, strict=True))
+    return {
+        "passed": not failures and preemptions > 0,
+        "requests": len(requests),
+        "exact_match_generate": exact,
+        "near_tie_failures": failures,
+        "preemptions": preemptions,
+        "bf16_first_32_agreement": agree / len(requests),
+    }
+
+
+# ----- 2. decode step ---------------------------------------------------------------------------
+def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device copy (each byte read once and written once)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync_device(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync_device(device)
+    elapsed = time.perf_counter() - start
+    del src, dst
+    return 2 * num_bytes * repeats / elapsed
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads (a tied embedding counts once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def build_loaded(name: str, device: torch.device, profile: Profile) -> LoadedModel:
+    model, tokenizer = build_random_model(name, device, profile.dtype, **profile.overrides)
+    return describe_loaded(model, tokenizer, RANDOM_PREFIX + name)
+
+
+def _decode_step_ms(
+    loaded: LoadedModel, batch: int, profile: Profile, enforce_eager: bool
+) -> dict[str, float]:
+    """Mean step and forward ms once all `batch` sequences decode at the profile's context
+    (with CUDA graphs on a GPU unless `enforce_eager`; the warm step captures the graph)."""
+    ctx, steps = profile.decode_context, profile.decode_steps
+    tokens_per_seq = ctx + steps + 2
+    config = EngineConfig(
+        model=loaded.name,
+        device=str(loaded.model.device),
+        kv_cache_memory=str((batch * tokens_per_seq + 64 * 16) * loaded.kv_bytes_per_token),
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, ctx),
+        enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
+    )
+    engine = Engine(config, loaded=loaded)
+    rng = random.Random(batch)
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(256, vocab) for _ in range(ctx)], params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill everyone (and one warm decode step)
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    engine.step()
+    step_s = forward_s = 0.0
+    for _ in range(steps - 1):
+        start = time.perf_counter()
+        engine.step()
+        step_s += time.perf_counter() - start
+        forward_s += engine.last_step_timing.forward
+    n = steps - 1
+    graphs = engine.runner.graphs
+    graphed = graphs is not None and graphs.failed is None and graphs.num_steps >= n
+    failure = None if graphs is None else graphs.failed
+    del engine
+    return {
+        "step_ms": 1000 * step_s / n,
+        "forward_ms": 1000 * forward_s / n,
+        "graphed": graphed,
+        "graph_failure": failure,
+    }
+
+
+def check_decode(device: torch.device, profile: Profile) -> dict[str, Any]:
+    bandwidth = measure_bandwidth(device, profile.copy_bytes)
+    rows, failures, weights = _decode_rows(
+        profile.decode_model, profile.decode_batches, device, profile, bandwidth
+    )
+    # The small model, where launch overhead weighs most: what graphs save at batch 16.
+    small, small_failures, _ = _decode_rows(
+        profile.mixed_model, (profile.graph_batch,), device, profile, bandwidth
+    )
+    failures += small_failures
+    return {
+        "model": RANDOM_PREFIX + profile.decode_model,
+        "dtype": str(profile.dtype).removeprefix("torch."),
+        "weight_bytes": weights,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "weight_read_bound_ms": 1000 * weights / bandwidth,
+        "cuda_graphs": (
+            "off the GPU: eager only"
+            if device.type != "cuda"
+            else "; ".join(failures) or "captured per (batch, width) on first use"
+        ),
+        "rows": rows,
+        "small_model": RANDOM_PREFIX + profile.mixed_model,
+        "small_model_rows": small,
+    }
+
+
+def _decode_rows(
+    name: str,
+    batches: tuple[int, ...],
+    device: torch.device,
+    profile: Profile,
+    bandwidth: float,
+) -> tuple[list[dict[str, Any]], list[str], int]:
+    """Per batch: the step eager and (on CUDA) with graphs; graph failures; weight bytes."""
+    loaded = build_loaded(name, device, profile)
+    weights = weight_bytes(loaded.model)
+    bound_ms = 1000 * weights / bandwidth
+    rows, failures = [], []
+    for batch in batches:
+        eager = _decode_step_ms(loaded, batch, profile, enforce_eager=True)
+        _free(device)
+        row = {
+            "batch": batch,
+            "context": profile.decode_context,
+            "eager_step_ms": eager["step_ms"],
+            "eager_forward_ms": eager["forward_ms"],
+            "cuda_graph_step_ms": None,
+            "step_over_bound": eager["step_ms"] / bound_ms,
+        }
+        if device.type == "cuda":
+            graphed = _decode_step_ms(loaded, batch, profile, enforce_eager=False)
+            _free(device)
+            if graphed["graphed"]:
+                row["cuda_graph_step_ms"] = graphed["step_ms"]
+                row["step_over_bound"] = graphed["step_ms"] / bound_ms
+                row["graph_saving"] = 1 - graphed["step_ms"] / eager["step_ms"]
+            elif graphed["graph_failure"]:
+                failures.append(graphed["graph_failure"])
+        rows.append(row)
+    del loaded
+    _free(device)
+    return rows, failures, weights
+
+
+# ----- 3. mixed trace ---------------------------------------------------------------------------
+def mixed_trace(num_requests: int, vocab_size: int, max_output: int | None) -> list[TraceRequest]:
+    trace = synthetic_trace(num_requests, MIXED, vocab_size, seed=0)
+    requests = trace_requests(trace)
+    if max_output is None:
+        return requests
+    return [replace(r, output_len=min(r.output_len, max_output)) for r in requests]
+
+
+def check_mixed(device: torch.device, profile: Profile) -> dict[str, Any]:
+    runs = _mixed_baselines(device, profile)  # each side builds its own model and drops it
+    _free(device)
+    runs["jitney-continuous"] = _mixed_jitney(device, profile)
+    _free(device)
+    table: dict[str, dict[str, Any]] = {}
+    for name, run in runs.items():
+        if isinstance(run, str):
+            table[name] = {"error": run}
+        else:
+            table[name] = {"tokens_per_s": run.tokens_per_s, "wall_s": run.wall_s}
+    jitney = table["jitney-continuous"].get("tokens_per_s")
+    for name in ("hf-generate", "hf-cb"):
+        base = table[name].get("tokens_per_s")
+        table[name]["jitney_ratio"] = jitney / base if jitney and base else None
+    requests = _mixed_requests(profile, _vocab_size(profile))
+    return {
+        "model": RANDOM_PREFIX + profile.mixed_model,
+        "requests": len(requests),
+        "output_tokens": sum(r.output_len for r in requests),
+        "runs": table,
+    }
+
+
+def _vocab_size(profile: Profile) -> int:
+    return int(random_model_config(profile.mixed_model, **profile.overrides).vocab_size)
+
+
+def _mixed_requests(profile: Profile, vocab_size: int) -> list[TraceRequest]:
+    return mixed_trace(profile.mixed_requests, vocab_size, profile.mixed_max_output)
+
+
+def _mixed_baselines(device: torch.device, profile: Profile) -> dict[str, RunResult | str]:
+    ref = build_loaded(profile.mixed_model, device, profile)  # left on transformers' attention
+    requests = _mixed_requests(profile, _vocab_size(profile))
+    return {
+        "hf-generate": _attempt(lambda: run_hf_generate(ref, requests, profile.hf_batch_size)),
+        # transformers' own defaults only: one run (its candidate search would cost minutes).
+        "hf-cb": _attempt(lambda: best_hf_cb(ref, requests, [{}])),
+    }
+
+
+def _mixed_jitney(device: torch.device, profile: Profile) -> RunResult | str:
+    loaded = build_loaded(profile.mixed_model, device, profile)  # the engine patches its model
+    config = EngineConfig(
+        model=loaded.name,
+        device=str(device),
+        kv_cache_memory=None if device.type == "cuda" else "256MiB",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    requests = _mixed_requests(profile, _vocab_size(profile))
+    return _attempt(lambda: run_jitney(config, loaded, requests))
+
+
+def _attempt(run: Callable[[], RunResult]) -> RunResult | str:
+    """A baseline that fails (an API another transformers version lacks) is reported, not fatal."""
+    try:
+        return run()
+    except Exception as e:  # reported in the results
+        return f"{type(e).__name__}: {e}"
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----- the run ----------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict[str, Any]:
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "host": platform.node(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return env
+
+
+SECTIONS = ("correctness", "decode", "mixed")
+
+
+def run_checks(device: torch.device, profile: Profile, sections: tuple[str, ...]) -> dict:
+    checks: dict[str, Callable[[], dict[str, Any]]] = {
+        "correctness": lambda: check_correctness(device),
+        "decode": lambda: check_decode(device, profile),
+        "mixed": lambda: check_mixed(device, profile),
+    }
+    results: dict[str, Any] = {"environment": environment(device), "profile": _profile(profile)}
+    for name in sections:
+        start = time.perf_counter()
+        print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
+        try:
+            results[name] = checks[name]()
+        except Exception as e:  # one section's failure must not lose the others
+            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - start
+        _free(device)
+    return results
+
+
+def _profile(profile: Profile) -> dict[str, Any]:
+    data = asdict(profile)
+    data["dtype"] = str(profile.dtype).removeprefix("torch.")
+    return data
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [
+        f"# GPU check — {env.get('gpu', env['device'])}, {env['date']}",
+        "",
+        f"torch {env['torch']}, transformers {env['transformers']}, Python {env['python']}",
+        "",
+    ]
+    for name, title, render in (
+        ("correctness", "1. Correctness (random:tiny)", _md_correctness),
+        ("decode", "2. Decode step", _md_decode),
+        ("mixed", "3. Mixed trace, all at t=0", _md_mixed),
+    ):
+        if name in results:
+            section = results[name]
+            body = [f"error: `{section['error']}`"] if "error" in section else render(section)
+            lines += [f"## {title}", "", *body, ""]
+    lines.append(f"Sections took {', '.join(_seconds(results))}.")
+    return "\n".join(lines) + "\n"
+
+
+def _md_correctness(c: dict[str, Any]) -> list[str]:
+    return [
+        f"- greedy vs transformers `generate`, fp32, near-tie rule: "
+        f"{'**pass**' if c['passed'] else '**FAIL**'} ({c['requests']} requests, "
+        f"{c['exact_match_generate']} token-for-token equal, {c['preemptions']} preemptions)",
+        f"- bf16 first-32-token agreement with fp32: {100 * c['bf16_first_32_agreement']:.0f} %",
+    ]
+
+
+def _md_decode(d: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{d['model']} {d['dtype']}: {d['weight_bytes'] / 1e9:.2f} GB of weights, measured "
+        f"bandwidth {d['bandwidth_gb_s']:.0f} GB/s, weight-read bound "
+        f"{d['weight_read_bound_ms']:.2f} ms. CUDA graphs: {d['cuda_graphs']}.",
+        "",
+        "| batch | context | step ms, eager | forward ms, eager | step ms, CUDA graphs "
+        "| best step / bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(_md_decode_row(r, f"{r['step_over_bound']:.2f}×"))
+    lines += [
+        "",
+        f"{d['small_model']}, where launch overhead weighs most:",
+        "",
+        "| batch | context | step ms, eager | forward ms, eager | step ms, CUDA graphs "
+        "| saved by graphs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in d["small_model_rows"]:
+        saving = r.get("graph_saving")
+        lines.append(_md_decode_row(r, "-" if saving is None else f"{100 * saving:.0f} %"))
+    return lines
+
+
+def _md_decode_row(r: dict[str, Any], last: str) -> str:
+    graphed = r["cuda_graph_step_ms"]
+    return (
+        f"| {r['batch']} | {r['context']} | {r['eager_step_ms']:.2f} | "
+        f"{r['eager_forward_ms']:.2f} | {'-' if graphed is None else f'{graphed:.2f}'} | {last} |"
+    )
+
+
+def _md_mixed(m: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{m['model']}, {m['requests']} requests, {m['output_tokens']} output tokens.",
+        "",
+        "| system | useful tokens/s | Jitney ratio |",
+        "|---|---|---|",
+    ]
+    for name, run in m["runs"].items():
+        if "error" in run:
+            lines.append(f"| {name} | error: `{run['error'][:120]}` | |")
+        else:
+            ratio = run.get("jitney_ratio")
+            shown = "" if ratio is None else f"{ratio:.2f}×"
+            lines.append(f"| {name} | {run['tokens_per_s']:.1f} | {shown} |")
+    return lines
+
+
+def _seconds(results: dict[str, Any]) -> list[str]:
+    return [f"{name} {results[name]['seconds']:.1f} s" for name in SECTIONS if name in results]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", help="where results.json and results.md go")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (small shapes)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of sections")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; use --device cpu for the small run", file=sys.stderr)
+        return 2
+    sections = tuple(s for s in args.sections.split(",") if s)
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
+    profile = GPU_PROFILE if device.type == "cuda" else CPU_PROFILE
+    torch.manual_seed(0)
+    results = run_checks(device, profile, sections)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    failed = [s for s in sections if "error" in results[s]]
+    if "correctness" in sections and not results["correctness"].get("passed"):
+        failed.append("correctness")
+    if failed:
+        print(f"gpu_check: failed: {', '.join(sorted(set(failed)))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""bench/gpu_check.sh at small shapes on the CPU: the script a lent GPU runs is known to work
+before a GPU sees it, from a plain copy of the repository (PYTHONPATH=., no install)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def plain_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository's files (tracked, plus new ones git does not ignore), copied elsewhere."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    copy = tmp_path_factory.mktemp("repo")
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy / name)
+    return copy
+
+
+def run_check(copy: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(
+        [str(copy / "bench/gpu_check.sh"), *args],
+        cwd="/",  # the script finds the repository from its own path
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_cpu_run_checks_correctness_and_writes_every_section(plain_copy, tmp_path):
+    out = tmp_path / "gpu"
+    done = run_check(plain_copy, str(out), "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    correctness = results["correctness"]
+    assert correctness["passed"] and not correctness["near_tie_failures"]
+    assert correctness["preemptions"] > 0  # the small pool really forced preemption
+    assert 0 <= correctness["bf16_first_32_agreement"] <= 1
+    decode = results["decode"]
+    assert [row["batch"] for row in decode["rows"]] == [1, 4, 16]
+    assert decode["weight_read_bound_ms"] > 0 and decode["bandwidth_gb_s"] > 0
+    assert all(row["eager_step_ms"] >= row["eager_forward_ms"] > 0 for row in decode["rows"])
+    runs = results["mixed"]["runs"]
+    assert runs["jitney-continuous"]["tokens_per_s"] > 0 and runs["hf-generate"]["jitney_ratio"]
+    assert results["environment"]["torch"]
+    table = (out / "results.md").read_text()
+    assert "| batch | context |" in table and "| jitney-continuous |" in table
+
+
+def test_without_cuda_the_default_run_says_so(plain_copy, tmp_path):
+    if (
+        subprocess.run(
+            [sys.executable, "-c", "import torch; assert torch.cuda.is_available()"]
+        ).returncode
+        == 0
+    ):
+        pytest.skip("a CUDA device is present")
+    done = run_check(plain_copy, str(tmp_path / "gpu"))
+    assert done.returncode == 2 and "no CUDA device" in done.stderr
+
+
+def test_bad_arguments_are_refused(plain_copy, tmp_path):
+    assert run_check(plain_copy).returncode == 2  # no output folder
+    done = run_check(plain_copy, str(tmp_path), "--device", "cpu", "--sections", "warp")
+    assert done.returncode == 2 and "unknown section" in done.stderr

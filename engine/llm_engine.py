@@ -17,7 +17,7 @@ from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.memory_profile import step_peak_bytes
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.sampling import sample, with_seed
+from engine.sampling import TokenHistory, sample, with_seed
 from engine.step_timing import PhaseClock, StepTiming, sync_device
 from protocol.detokenizer import IncrementalDetokenizer
 from protocol.sampling import SamplingParams
@@ -101,6 +101,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
         self.last_step_timing = StepTiming()  # the phases of the last step (the worker exports)
+        self.last_idle_check_s = 0.0  # the pool check the last step ran if it left us idle
         if progress is not None:
             progress(self.capacity.table())
 
@@ -156,6 +157,10 @@ class Engine:
             raise RequestTooLongError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds the context window of {self.max_model_len} tokens"
+            )
+        if any(token >= self.vocab_size for token, _ in params.logit_bias):
+            raise ValueError(
+                f"logit_bias names token ids outside the vocabulary (size {self.vocab_size})"
             )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -237,10 +242,14 @@ class Engine:
         outputs = self._postprocess(plan, sampled, deltas)
         clock.lap("postprocess")
         self.last_step_timing = clock.timing
+        self.last_idle_check_s = 0.0
         if not self.policy.has_unfinished():
             # Idle is when a leak would show. O(pool blocks), once per idle period (29 ms for a
-            # 1 GiB pool of tiny-random blocks), so outside the per-step phases it would skew.
+            # 1 GiB pool of tiny-random blocks), so outside the per-step phases it would skew;
+            # timed on its own, so a bench can leave it out of its per-step figures.
+            start = time.perf_counter()
             self.block_manager.check_integrity()
+            self.last_idle_check_s = time.perf_counter() - start
         return outputs
 
     def _run(self, plan: StepPlan, clock: PhaseClock) -> dict[str, int]:
@@ -251,8 +260,17 @@ class Engine:
         clock.lap("forward")
         sampling_ids = [c.seq_id for c in plan.chunks if c.samples]
         reqs = [self.requests[i] for i in sampling_ids]
+        params = [r.params for r in reqs]
+        histories = None
+        if any(p.adjusts_logits for p in params):
+            histories = [
+                TokenHistory(
+                    r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.limits.stop_token_ids
+                )
+                for r in reqs
+            ]
         # A draw's position is its output index, so a resumed request continues its stream.
-        tokens = sample(logits, [r.params for r in reqs], [r.seq.num_output_tokens for r in reqs])
+        tokens = sample(logits, params, [r.seq.num_output_tokens for r in reqs], histories)
         clock.lap("sample")
         return dict(zip(sampling_ids, tokens, strict=True))
 

@@ -9,6 +9,11 @@ cost 57 ms a step for 64 rows of SmolLM2's 49,152-token vocabulary on this CPU).
 first token whose cumulative mass exceeds the target, and the target stays below the row's total,
 so a token whose probability is 0 (a cut token) is never picked, whatever the rounding.
 
+Before any pick, rows that ask for it have their logits adjusted, all rows together in tensor ops
+(`adjust_logits`): frequency and presence penalties from counts of the tokens each row generated,
+the repetition penalty over the tokens it has seen (prompt and output), logit_bias, and
+min_tokens (stop tokens held at -inf). Greedy rows pick the argmax of the adjusted logits.
+
 CPU and CUDA: the hash is integer arithmetic (64-bit, wrapping), so its bits are the same on both
 (tests/engine/test_sampling.py checks them against a plain-integer reference, and CPU against
 CUDA where there is one); only the float steps (softmax, the cumulative sum) may round
@@ -18,8 +23,8 @@ differently, so a pick can differ only where the target falls within rounding of
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -34,12 +39,28 @@ def with_seed(params: SamplingParams) -> SamplingParams:
     return replace(params, seed=random.getrandbits(63))
 
 
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """What a row's logit adjustments read: its prompt, its output so far, the tokens that
+    would stop it (held back until min_tokens)."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+    stop_ids: Collection[int] = ()
+
+
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    histories: Sequence[TokenHistory] | None = None,
 ) -> list[int]:
     """One token per row of `logits` ([N, vocab]) for N requests; `positions[i]` is the number
     of output tokens request i already has (where its draw is in its random stream). Sampled
-    rows need a seed (`with_seed`). One device-to-host transfer: the tokens."""
+    rows need a seed (`with_seed`); rows whose params adjust logits need `histories`. One
+    device-to-host transfer: the tokens."""
+    if histories is not None:
+        logits = adjust_logits(logits, params, histories)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return logits.argmax(dim=-1).tolist()
@@ -67,6 +88,59 @@ def sample(
     if index is None:
         return drawn.tolist()
     return logits.argmax(dim=-1).index_copy_(0, index, drawn).tolist()
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
+) -> torch.Tensor:
+    """`logits` [N, vocab] with every row's penalties, bias and min_tokens applied (float32; a
+    new tensor when any row adjusts, else `logits` itself)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    x = logits.index_select(0, index).float()
+    vocab = x.shape[1]
+    picked = [params[i] for i in rows]
+    seen = [histories[i] for i in rows]
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in picked):
+        counts = _counts([h.output for h in seen], vocab, device)
+        frequency = _column([p.frequency_penalty for p in picked], device)
+        presence = _column([p.presence_penalty for p in picked], device)
+        x -= frequency * counts + presence * (counts > 0)
+        if any(p.repetition_penalty != 1 for p in picked):
+            repeated = (counts > 0) | (_counts([h.prompt for h in seen], vocab, device) > 0)
+            penalty = _column([p.repetition_penalty for p in picked], device)
+            x = torch.where(repeated, torch.where(x > 0, x / penalty, x * penalty), x)
+    bias = [(j, t, b) for j, p in enumerate(picked) for t, b in p.logit_bias if t < vocab]
+    if bias:
+        r, t, b = zip(*bias, strict=True)
+        where = (torch.tensor(r, device=device), torch.tensor(t, device=device))
+        x.index_put_(where, torch.tensor(b, dtype=x.dtype, device=device), accumulate=True)
+    held = [
+        (j, t)
+        for j, (p, h) in enumerate(zip(picked, seen, strict=True))
+        if len(h.output) < p.min_tokens
+        for t in h.stop_ids
+        if t < vocab
+    ]
+    if held:
+        r, t = zip(*held, strict=True)
+        x[torch.tensor(r, device=device), torch.tensor(t, device=device)] = float("-inf")
+    return logits.float().index_copy(0, index, x)
+
+
+def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[n, vocab] float32: how often each token occurs in each list (one scatter for all)."""
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    if width:
+        # Padding points at an extra column, dropped afterwards.
+        padded = [[*tokens, *[vocab] * (width - len(tokens))] for tokens in token_lists]
+        ids = torch.tensor(padded, device=device)
+        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -70,7 +70,19 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
     model = await gw.registry.resolve(parsed.model)
     prompt_ids = await _prompt_ids(gw, model, parsed)
     max_tokens = _max_tokens(gw, model, parsed, len(prompt_ids))
-    sampling = replace(parsed.sampling, max_tokens=max_tokens, detokenize=False)
+    if parsed.min_tokens > max_tokens:
+        raise bad_request(
+            f"'min_tokens' ({parsed.min_tokens}) must be at most max_tokens ({max_tokens}).",
+            param="min_tokens",
+        )
+    if any(token >= model.vocab_size for token, _ in parsed.sampling.logit_bias):
+        raise bad_request(
+            f"'logit_bias' names token ids outside the vocabulary (size {model.vocab_size}).",
+            param="logit_bias",
+        )
+    sampling = replace(
+        parsed.sampling, max_tokens=max_tokens, min_tokens=parsed.min_tokens, detokenize=False
+    )
     await charge_tokens(request, len(prompt_ids) + sampling.max_tokens)  # per-key tokens/min
     await gw.backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
 

@@ -23,6 +23,7 @@ MAX_STOP_CHARS = 256  # the detokenizer holds back this much text while a stop m
 MAX_STOP_TOKEN_IDS = 256
 MAX_MODEL_NAME_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; anything above is garbage
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 _INT64 = 2**63
 
 
@@ -31,9 +32,10 @@ class CompletionRequest:
     model: str | None
     prompt: str | list[int]  # text, or token ids (checked against the vocabulary later)
     max_tokens: int | None  # None: the route's default (gateway.generate resolves it)
-    sampling: SamplingParams  # its max_tokens is set by gateway.generate
+    sampling: SamplingParams  # its max_tokens (and min_tokens) are set by gateway.generate
     stream: bool = False
     include_usage: bool = False
+    min_tokens: int = 0  # checked against the resolved max_tokens in gateway.generate
 
 
 @dataclass(slots=True)
@@ -41,9 +43,10 @@ class ChatRequest:
     model: str | None
     messages: list[dict[str, str]]  # role + content (text parts joined)
     max_tokens: int | None  # None: the route's default (gateway.generate resolves it)
-    sampling: SamplingParams  # its max_tokens is set by gateway.generate
+    sampling: SamplingParams  # its max_tokens (and min_tokens) are set by gateway.generate
     stream: bool = False
     include_usage: bool = False
+    min_tokens: int = 0  # checked against the resolved max_tokens in gateway.generate
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -74,6 +77,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage,
+        min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
     )
 
 
@@ -90,6 +94,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage,
+        min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
     )
 
 
@@ -195,7 +200,38 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
             _token_ids(body.get("stop_token_ids"), "stop_token_ids", True, MAX_STOP_TOKEN_IDS)
         ),
         ignore_eos=_opt_bool(body, "ignore_eos"),
+        presence_penalty=_opt_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_opt_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_repetition_penalty(body),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
+
+
+def _repetition_penalty(body: dict[str, Any]) -> float:
+    value = _opt_number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if value == 0:
+        raise bad_request("'repetition_penalty' must be greater than 0.", "repetition_penalty")
+    return value
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} (ids as strings, JSON keys); the ids are
+    checked against the vocabulary in gateway.generate."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object of token ids to numbers.", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries.", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
+            raise bad_request("'logit_bias' keys must be token ids (integers >= 0).", "logit_bias")
+        ok = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not ok or not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise bad_request("'logit_bias' values must be numbers in [-100, 100].", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _top_p(body: dict[str, Any]) -> float:
@@ -315,9 +351,6 @@ def _refuse_unsupported(body: dict[str, Any], table: dict[str, Check]) -> None:
 
 
 _COMMON: dict[str, Check] = {
-    "presence_penalty": _off(0, 0.0),
-    "frequency_penalty": _off(0, 0.0),
-    "logit_bias": _off({}),
     "best_of": _off(1),
 }
 _COMPLETION_UNSUPPORTED = {

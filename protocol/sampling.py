@@ -25,6 +25,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Penalties on what the request generated (OpenAI): logit -= frequency * count + presence *
+    # (count > 0). repetition_penalty (vLLM/TGI's extension, as in CTRL) divides the positive
+    # logits of tokens seen in the prompt or the output by it and multiplies the negative ones.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # no stop token (EOS included) before this many output tokens
     # False: the engine returns token ids only and leaves text and stop strings to the caller
     # (the gateway detokenizes what it serves, off the worker's step; vLLM has the same field).
     detokenize: bool = True
@@ -51,10 +59,32 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            )
+        if any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before it picks a token."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: tuples become lists."""
@@ -71,20 +101,29 @@ class SamplingParams:
         unknown = sorted(map(str, data.keys() - _FIELD_TYPES.keys()))
         if unknown:
             raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
-        return cls(**{k: tuple(v) if _is_list_field(k, v) else v for k, v in data.items()})
+        return cls(**{k: _tuples(v) if _is_list_field(k, v) else v for k, v in data.items()})
 
 
 def _is_list_field(name: str, value: object) -> bool:
     return isinstance(value, list) and get_origin(_FIELD_TYPES[name]) is tuple
 
 
+def _tuples(value: object) -> object:
+    """JSON lists back to the tuples the fields hold, nested ones too (logit_bias)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 def _conforms(value: object, annotation: Any) -> bool:
     """isinstance for the few annotations sampling fields use; bool is not an int here."""
     if isinstance(annotation, types.UnionType):
         return any(_conforms(value, a) for a in get_args(annotation))
-    if get_origin(annotation) is tuple:  # tuple[X, ...]
-        item = get_args(annotation)[0]
-        return isinstance(value, tuple) and all(_conforms(v, item) for v in value)
+    if get_origin(annotation) is tuple:
+        args = get_args(annotation)
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
+            return all(_conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(map(_conforms, value, args))  # tuple[X, Y]
     if annotation is type(None):
         return value is None
     if annotation is float:
@@ -102,7 +141,13 @@ def _describe(annotation: Any) -> str:
     if isinstance(annotation, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(annotation))
     if get_origin(annotation) is tuple:
-        return f"a list of {_describe(get_args(annotation)[0]).split()[-1]}s"
+        args = get_args(annotation)
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = get_args(args[0])
+            if get_origin(args[0]) is tuple:  # pairs
+                return f"a list of [{', '.join(_describe(a).split()[-1] for a in item)}] pairs"
+            return f"a list of {_describe(args[0]).split()[-1]}s"
+        return f"a [{', '.join(_describe(a).split()[-1] for a in args)}] pair"
     return _NAMES[None if annotation is type(None) else annotation]
 
 

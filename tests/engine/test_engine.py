@@ -1,8 +1,10 @@
 """The engine on the tiny model: greedy parity with transformers, seeds, aborts, integrity."""
 
 import random
+from dataclasses import replace
 
 import pytest
+import torch
 
 from engine.llm_engine import Engine, RequestTooLongError
 from engine.model_loader import load_model
@@ -281,3 +283,42 @@ def test_a_taken_over_request_continues_after_the_delivered_tokens(loaded, param
         )
         assert whole_tokens[:k] + rest_tokens == whole_tokens
         assert "".join(whole_deltas[:k] + rest_deltas) == "".join(whole_deltas)
+
+
+def test_repetition_penalty_matches_transformers_generate(loaded, ref):
+    """Greedy with repetition_penalty equals transformers' own processor (the same formula over
+    prompt and output), near-tie rule; the batch shares no state between rows."""
+    engine = make_engine(loaded, kv_cache_memory="16MiB")
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, rng.randint(4, 20)) for _ in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3)
+    got = [r.token_ids for r in engine.generate(prompts, params)]
+    for prompt, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([prompt])
+        want = ref.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert tokens == want  # no teacher-forced rule: the penalty is not in the reference
+    plain = engine.generate(prompts, greedy(16))
+    assert any(r.token_ids != t for r, t in zip(plain, got, strict=True))  # it did something
+
+
+def test_logit_bias_and_min_tokens_through_the_engine(loaded):
+    engine = make_engine(loaded, kv_cache_memory="16MiB")
+    forced = SamplingParams(max_tokens=6, temperature=0, logit_bias=((42, 100.0),))
+    assert engine.generate([[5, 6, 7]], forced)[0].token_ids == [42] * 6
+    # The first greedy token is made a stop token: without min_tokens it ends the request at once.
+    first = engine.generate([[5, 6, 7]], greedy(1))[0].token_ids[0]
+    stops = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(first,))
+    assert engine.generate([[5, 6, 7]], stops)[0].token_ids == [first]
+    held = replace(stops, min_tokens=3)
+    result = engine.generate([[5, 6, 7]], held)[0]
+    assert len(result.token_ids) >= 3 and first not in result.token_ids[:2]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("x", [5], SamplingParams(logit_bias=((10**6, 1.0),)))

@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from engine.sampling import random_bits, sample, with_seed
+from engine.sampling import TokenHistory, adjust_logits, random_bits, sample, with_seed
 from protocol import SamplingParams
 
 CPU = torch.device("cpu")
@@ -215,3 +215,65 @@ def test_cpu_and_cuda_draw_the_same_tokens():
     on_cpu = sample(logits, params, positions)
     on_cuda = sample(logits.to(cuda), params, positions)
     assert sum(a != b for a, b in zip(on_cpu, on_cuda, strict=True)) <= 2
+
+
+# ----- logit adjustments: penalties, bias, min_tokens -------------------------------------------
+def test_penalties_follow_their_formulas_row_by_row():
+    """frequency/presence (OpenAI): logit - f * count - p * (count > 0) over the output;
+    repetition (CTRL): seen tokens' positive logits divided, negative ones multiplied; a row
+    that asks for nothing is left as it was."""
+    logits = logits_rows(3)
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.3),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.5),
+    ]
+    histories = [
+        TokenHistory(prompt=[9], output=[1, 1, 2]),
+        TokenHistory(prompt=[], output=[3]),
+        TokenHistory(prompt=[4, 4], output=[5]),
+    ]
+    got = adjust_logits(logits, params, histories)
+    want = logits.clone()
+    for token, count in ((1, 2), (2, 1)):
+        want[0, token] -= 0.5 * count + 0.3
+    for token in (4, 5):
+        value = want[2, token]
+        want[2, token] = value / 1.5 if value > 0 else value * 1.5
+    assert torch.allclose(got, want)
+
+
+def test_logit_bias_and_min_tokens_decide_greedy_picks():
+    logits = logits_rows(2)
+    top = int(logits[0].argmax())
+    forced = SamplingParams(temperature=0, logit_bias=((7, 100.0),))
+    banned = SamplingParams(temperature=0, logit_bias=((top, -100.0),))
+    history = [TokenHistory([], [])] * 2
+    assert sample(logits[:1].expand(2, -1), [forced, banned], [0, 0], history)[0] == 7
+    assert sample(logits[:1], [banned], [0], history[:1])[0] != top
+    # The argmax is a stop token: held back until min_tokens output tokens exist.
+    held = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
+    early = TokenHistory([], [11], stop_ids={top})
+    assert sample(logits[:1], [held], [1], [early])[0] != top
+    done = TokenHistory([], [11, 12], stop_ids={top})
+    assert sample(logits[:1], [held], [2], [done])[0] == top
+
+
+def test_adjustments_of_a_row_do_not_depend_on_its_batch():
+    logits = logits_rows(5, seed=3)
+    params = [SamplingParams(frequency_penalty=1.0, logit_bias=((i, 2.0),)) for i in range(5)]
+    histories = [TokenHistory([i], [i, i + 1]) for i in range(5)]
+    together = adjust_logits(logits, params, histories)
+    for i in range(5):
+        alone = adjust_logits(logits[i : i + 1], params[i : i + 1], histories[i : i + 1])
+        assert torch.equal(alone[0], together[i])
+
+
+def test_sampled_rows_draw_from_the_adjusted_distribution():
+    """A token biased to -100 is never drawn; a seeded stream stays reproducible."""
+    row = logits_rows(1)[0]
+    params = SamplingParams(seed=5, logit_bias=((int(row.argmax()), -100.0),))
+    n = 2000
+    picks = sample(row.expand(n, -1), [params] * n, range(n), [TokenHistory([], [])] * n)
+    assert int(row.argmax()) not in picks
+    assert picks == sample(row.expand(n, -1), [params] * n, range(n), [TokenHistory([], [])] * n)

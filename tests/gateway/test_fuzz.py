@@ -134,6 +134,11 @@ sampling: dict[str, st.SearchStrategy[Any]] = {
     "tools": st.just([]) | random_json,
     "response_format": st.just({"type": "text"}) | random_json,
     "presence_penalty": number,
+    "frequency_penalty": number,
+    "repetition_penalty": number,
+    "logit_bias": st.dictionaries(st.integers(-1, 400).map(str) | marked, number, max_size=4)
+    | random_json,
+    "min_tokens": st.integers(-2, 80) | marked,
     SECRET: random_json,
 }
 completion = st.fixed_dictionaries({"prompt": prompt}, optional=sampling)

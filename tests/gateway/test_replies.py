@@ -51,6 +51,11 @@ async def test_enqueued_chat_request_has_template_ids_and_sampling(
         "seed": 42,
         "stop": "\n",
         "ignore_eos": True,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"77": 5, "12": -100},
+        "min_tokens": 2,
     }
     call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     request = await fake_worker.take()
@@ -65,6 +70,8 @@ async def test_enqueued_chat_request_has_template_ids_and_sampling(
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.5, 0.9, 20, 42)
     assert s.stop == ("\n",) and s.ignore_eos
     assert not s.detokenize  # workers send token ids; this gateway makes the text
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert s.logit_bias == ((12, -100.0), (77, 5.0)) and s.min_tokens == 2
     await fake_worker.answer(request, ["Hi", " there"])
     response = await call
     assert response.status == 200

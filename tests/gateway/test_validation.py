@@ -104,6 +104,20 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, {"prompt": SECRET, "model": SECRET * 30}, "model"),  # over 256 characters
     (COMPLETIONS, {"prompt": [[]]}, "prompt"),
     (COMPLETIONS, b"", None),
+    # Penalties, bias and min_tokens (accepted since the sampler applies them):
+    (COMPLETIONS, {"prompt": SECRET, "presence_penalty": 2.5}, "presence_penalty"),
+    (COMPLETIONS, {"prompt": SECRET, "frequency_penalty": SECRET}, "frequency_penalty"),
+    (COMPLETIONS, {"prompt": SECRET, "repetition_penalty": 0}, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": SECRET, "logit_bias": [1, 2]}, "logit_bias"),
+    (COMPLETIONS, {"prompt": SECRET, "logit_bias": {SECRET: 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": SECRET, "logit_bias": {"-3": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": SECRET, "logit_bias": {"5": 101}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": SECRET, "logit_bias": {"5": True}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": SECRET, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": SECRET, "logit_bias": {"100000": 1}}, "logit_bias"),  # vocabulary
+    (COMPLETIONS, {"prompt": SECRET, "min_tokens": -1}, "min_tokens"),
+    (COMPLETIONS, {"prompt": SECRET, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    (CHAT, {"messages": USER, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
 ]
 
 

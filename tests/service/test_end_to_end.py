@@ -84,6 +84,27 @@ async def test_stop_string_cuts_the_text_in_the_gateway_and_ends_the_work(system
     wait_for(lambda: worker.metric("jitney_requests_running") == 0, 10, "running back to 0")
 
 
+async def test_logit_bias_and_min_tokens_reach_the_workers_sampler(system):
+    """A +100 bias makes every greedy token the biased one, through gateway, Redis and worker;
+    min_tokens keeps a stop token from ending the request early."""
+    base, _ = system
+    tokenizer = load_model(MODEL).tokenizer
+    body = {"model": MODEL, "prompt": [5, 9, 40], "max_tokens": 5, "temperature": 0}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{base}/v1/completions", json={**body, "logit_bias": {"72": 100}}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+        assert out["choices"][0]["text"] == tokenizer.decode([72] * 5)
+        held = {**body, "logit_bias": {"72": 100}, "stop_token_ids": [72], "min_tokens": 3}
+        async with session.post(f"{base}/v1/completions", json=held) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+    # 72 is a stop token: with the bias it is picked as soon as min_tokens allows it.
+    assert out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "stop"
+
+
 async def test_client_gone_mid_stream_frees_slot_and_kv(system):
     """Closing the connection mid-stream: the worker aborts, running and KV usage return to 0."""
     base, worker = system

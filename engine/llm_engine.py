@@ -17,7 +17,14 @@ from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.memory_profile import step_peak_bytes
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.sampling import TokenHistory, sample, with_seed
+from engine.sampling import (
+    TokenHistory,
+    TokenLogprobs,
+    adjust_logits,
+    sample,
+    token_logprobs,
+    with_seed,
+)
 from engine.step_timing import PhaseClock, StepTiming, sync_device
 from protocol.detokenizer import IncrementalDetokenizer
 from protocol.sampling import SamplingParams
@@ -49,6 +56,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 @dataclass(slots=True)
@@ -102,6 +110,7 @@ class Engine:
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
         self.last_step_timing = StepTiming()  # the phases of the last step (the worker exports)
         self.last_idle_check_s = 0.0  # the pool check the last step ran if it left us idle
+        self._step_logprobs: dict[str, TokenLogprobs] = {}  # from sample to the outputs
         if progress is not None:
             progress(self.capacity.table())
 
@@ -269,8 +278,13 @@ class Engine:
                 )
                 for r in reqs
             ]
+        if histories is not None:
+            logits = adjust_logits(logits, params, histories)
         # A draw's position is its output index, so a resumed request continues its stream.
-        tokens = sample(logits, params, [r.seq.num_output_tokens for r in reqs], histories)
+        tokens = sample(logits, params, [r.seq.num_output_tokens for r in reqs])
+        if any(p.logprobs is not None for p in params):
+            found = token_logprobs(logits, tokens, [p.logprobs for p in params])
+            self._step_logprobs = {i: lp for i, lp in zip(sampling_ids, found, strict=True) if lp}
         clock.lap("sample")
         return dict(zip(sampling_ids, tokens, strict=True))
 
@@ -278,12 +292,15 @@ class Engine:
         """Each sampled token's text delta (a stop string found ends its request in update)."""
         outputs: dict[str, RequestOutput] = {}
         requests = self.requests
+        logprobs, self._step_logprobs = self._step_logprobs, {}
         for seq_id, token in sampled.items():
             req = requests[seq_id]
             detok = req.detok
             out = outputs[seq_id] = RequestOutput(seq_id, [token])
             if detok is not None:
                 out.delta_text = detok.add(token)
+            if logprobs and (lp := logprobs.get(seq_id)) is not None:
+                out.logprobs = [lp]
             out.num_output_tokens = req.seq.num_output_tokens + 1
         return outputs
 
@@ -301,6 +318,7 @@ class Engine:
             delta = outputs.pop(seq.seq_id, None)
             if delta is not None:
                 final.new_token_ids = delta.new_token_ids
+                final.logprobs = delta.logprobs
                 final.delta_text = delta.delta_text + final.delta_text
             outputs[seq.seq_id] = final
         return list(outputs.values())
@@ -345,10 +363,12 @@ class CompletedRequest:
     text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request asked
 
     def absorb(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
         self.text += out.delta_text
+        self.logprobs += out.logprobs or ()
         if out.finished:
             self.finish_reason = out.finish_reason
             self.num_cached_tokens = out.num_cached_tokens

@@ -90,6 +90,37 @@ def sample(
     return logits.argmax(dim=-1).index_copy_(0, index, drawn).tolist()
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log-prob and its row's most likely alternatives (id, log-prob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], counts: Sequence[int | None]
+) -> list[TokenLogprobs | None]:
+    """For rows with a count: the log-prob of `tokens[i]` under `logits[i]` (log-softmax, at
+    temperature 1) and its `counts[i]` likeliest alternatives; None for the other rows."""
+    rows = [i for i, k in enumerate(counts) if k is not None]
+    result: list[TokenLogprobs | None] = [None] * len(counts)
+    if not rows:
+        return result
+    device = logits.device
+    x = logits.index_select(0, torch.tensor(rows, device=device)).float().log_softmax(dim=-1)
+    picked = torch.tensor([tokens[i] for i in rows], device=device).unsqueeze(1)
+    chosen = x.gather(1, picked).squeeze(1).tolist()
+    k = max(counts[i] or 0 for i in rows)
+    values, ids = x.topk(k, dim=-1) if k else (x[:, :0], x[:, :0].long())
+    values_list, ids_list = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        n = counts[i] or 0
+        top = tuple(zip(ids_list[j][:n], values_list[j][:n], strict=True))
+        result[i] = TokenLogprobs(chosen[j], top)
+    return result
+
+
 def adjust_logits(
     logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
 ) -> torch.Tensor:

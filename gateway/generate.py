@@ -24,6 +24,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway.errors import ApiError, bad_request, redis_unavailable, shutting_down
+from gateway.logprobs import LogprobsFormatter, merge
 from gateway.models import ServedModel
 from gateway.ratelimit import charge_tokens
 from gateway.replies import InFlight
@@ -102,6 +103,8 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
     in_flight = gw.router.register(responder.request_id, len(prompt_ids))
     detok = IncrementalDetokenizer.create(model.decoder, prompt_ids, sampling.stop)
     relay = _Relay(gw, in_flight, model, responder, detok, len(prompt_ids), received)
+    if sampling.logprobs is not None:
+        relay.logprobs = LogprobsFormatter(kind, model.decoder)
     enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
     try:
         try:
@@ -215,6 +218,7 @@ class _Relay:
         self.num_prompt = num_prompt
         self.received = received
         self.finished = False  # the worker's final reply arrived
+        self.logprobs: LogprobsFormatter | None = None  # when the request asked for them
         self.num_tokens = 0
         self._first = True
 
@@ -244,6 +248,12 @@ class _Relay:
             text += self.detok.finish()
         return text
 
+    def logprobs_of(self, reply: ReplyMessage) -> dict[str, Any] | None:
+        """The OpenAI logprobs object of this reply's tokens, when the request asked."""
+        if self.logprobs is None or not reply.token_ids:
+            return None
+        return self.logprobs.part(reply.token_ids, reply.logprobs)
+
     def end_reason(self, reply: ReplyMessage) -> str | None:
         """How the response ends after `reply` (None: it goes on). A stop string found here
         ends it before the worker's final reply."""
@@ -258,17 +268,23 @@ class _Relay:
 
     async def collect(self) -> web.Response:
         parts: list[str] = []
+        logprob_parts: list[dict[str, Any]] = []
         while True:
             try:
                 reply = await self.next_reply(self._wait_limit())
             except TimeoutError:
                 raise idle_timeout_error() from None
             parts.append(self.text_of(reply))
+            if (logprobs := self.logprobs_of(reply)) is not None:
+                logprob_parts.append(logprobs)
             if (reason := self.end_reason(reply)) is not None:
                 break
         if reason not in NORMAL_FINISH:
             raise final_error(reply)
-        body = self.responder.body("".join(parts), reason, self.usage(reply))
+        logprobs = merge(logprob_parts) if self.logprobs is not None else None
+        if self.logprobs is not None and logprobs is None:  # no token at all
+            logprobs = self.logprobs.part([], [])
+        body = self.responder.body("".join(parts), reason, self.usage(reply), logprobs)
         return web.json_response(body, headers={"X-Request-Id": self.responder.request_id})
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
@@ -303,8 +319,9 @@ class _Relay:
                 await response.write(KEEPALIVE)
                 continue
             silent_s = 0.0
-            if text := self.text_of(reply):
-                await response.write(sse(r.chunk(text)))
+            text, logprobs = self.text_of(reply), self.logprobs_of(reply)
+            if text or logprobs:
+                await response.write(sse(r.chunk(text, logprobs=logprobs)))
             if (reason := self.end_reason(reply)) is None:
                 continue
             if reason in NORMAL_FINISH:

@@ -53,23 +53,38 @@ class Responder:
             "choices": choices,
         }
 
-    def body(self, text: str, finish_reason: str, usage_: dict[str, Any]) -> dict[str, Any]:
+    def body(
+        self,
+        text: str,
+        finish_reason: str,
+        usage_: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.kind == "chat":
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             out = self._envelope("text_completion", [choice])
         out["usage"] = usage_
         return out
 
     def chunk(
-        self, text: str = "", finish_reason: str | None = None, role: bool = False
+        self,
+        text: str = "",
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
@@ -77,10 +92,20 @@ class Responder:
                 delta["role"] = "assistant"
             if text or role:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             out = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             out = self._envelope("text_completion", [choice])
         if self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk has it, only the last one fills it

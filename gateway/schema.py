@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.errors import bad_request
 from protocol import SamplingParams
+from protocol.sampling import MAX_LOGPROBS
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
@@ -70,11 +71,16 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
     stream, include_usage = _stream(body)
+    logprobs = body.get("logprobs")
+    if logprobs is False:  # some clients send false for "none"
+        logprobs = None
     return CompletionRequest(
         model=_model(body),
         prompt=_prompt(body.get("prompt")),
         max_tokens=_opt_int(body, "max_tokens", lo=1),
-        sampling=_sampling(body),
+        sampling=replace(
+            _sampling(body), logprobs=_opt_int({"logprobs": logprobs}, "logprobs", 0, MAX_LOGPROBS)
+        ),
         stream=stream,
         include_usage=include_usage,
         min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
@@ -91,7 +97,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         model=_model(body),
         messages=_messages(body.get("messages")),
         max_tokens=max_tokens,
-        sampling=_sampling(body),
+        sampling=replace(_sampling(body), logprobs=_chat_logprobs(body)),
         stream=stream,
         include_usage=include_usage,
         min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
@@ -205,6 +211,16 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         repetition_penalty=_repetition_penalty(body),
         logit_bias=_logit_bias(body.get("logit_bias")),
     )
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat asks with `logprobs: true` and `top_logprobs: k` (alternatives per token)."""
+    top = _opt_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _opt_bool(body, "logprobs"):
+        if top:
+            raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def _repetition_penalty(body: dict[str, Any]) -> float:
@@ -356,13 +372,10 @@ _COMMON: dict[str, Check] = {
 _COMPLETION_UNSUPPORTED = {
     **_COMMON,
     "echo": _off(False),
-    "logprobs": _off(0, False),
     "suffix": _off(""),
 }
 _CHAT_UNSUPPORTED = {
     **_COMMON,
-    "logprobs": _off(False),
-    "top_logprobs": _off(0),
     "tools": _off([]),
     "tool_choice": _off("none"),
     "response_format": lambda v: v is None or v == {"type": "text"},

@@ -87,6 +87,8 @@ class ReplyMessage(Message):
     cached_tokens: int = 0
     error: str | None = None  # a message safe to show the client
     error_type: str | None = None  # OpenAI error type, e.g. invalid_request_error
+    # Per token of token_ids, when the request asked: [log-prob, [[id, log-prob], ...]].
+    logprobs: list[list[Any]] | None = None
 
     @property
     def is_final(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args, get_origin, get_type_hints
 
 _SEED_RANGE = range(-(2**63), 2**64)  # what a signed or unsigned 64-bit seed can be
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # no stop token (EOS included) before this many output tokens
+    # Log-probs of each sampled token plus this many alternatives (None: none). They come from
+    # the logits after penalties and bias, before temperature and top-k/top-p (engine/sampling.py).
+    logprobs: int | None = None
     # False: the engine returns token ids only and leaves text and stop strings to the caller
     # (the gateway detokenizes what it serves, off the worker's step; vLLM has the same field).
     detokenize: bool = True
@@ -68,6 +72,8 @@ class SamplingParams:
             )
         if any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 

@@ -11,13 +11,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.llm_engine import RequestOutput
+from engine.sampling import TokenLogprobs
 from protocol import ReplyMessage
 from worker.metrics import WorkerMetrics
 from worker.redis_io import Outbox
 
 logger = logging.getLogger("jitney.worker")
+
+
+def wire_logprobs(logprobs: list[TokenLogprobs] | None) -> list[list[Any]] | None:
+    """ReplyMessage.logprobs: per token [log-prob, [[id, log-prob], ...]]."""
+    if logprobs is None:
+        return None
+    return [[lp.logprob, [list(pair) for pair in lp.top]] for lp in logprobs]
 
 
 def kv(**fields: object) -> str:
@@ -85,7 +94,13 @@ class ReplyBook:
             if out.finished:
                 self.finish(out, now)
             else:
-                self._send(out.request_id, request, out.new_token_ids, out.delta_text)
+                self._send(
+                    out.request_id,
+                    request,
+                    out.new_token_ids,
+                    out.delta_text,
+                    logprobs=wire_logprobs(out.logprobs),
+                )
 
     def finish(
         self,
@@ -103,6 +118,7 @@ class ReplyBook:
             request,
             out.new_token_ids,
             out.delta_text,
+            logprobs=wire_logprobs(out.logprobs),
             finish_reason=reason,
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,

@@ -9,7 +9,12 @@ import torch
 from engine.llm_engine import Engine, RequestTooLongError
 from engine.model_loader import load_model
 from protocol import SamplingParams
-from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
+from tests.engine.engine_helpers import (
+    assert_greedy_parity,
+    make_engine,
+    next_token_logprobs,
+    reference_greedy,
+)
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +327,22 @@ def test_logit_bias_and_min_tokens_through_the_engine(loaded):
     assert len(result.token_ids) >= 3 and first not in result.token_ids[:2]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("x", [5], SamplingParams(logit_bias=((10**6, 1.0),)))
+
+
+def test_logprobs_are_the_reference_models_next_token_log_probs(loaded, ref):
+    """Each sampled token's log-prob and alternatives, against transformers' own forward over
+    the same tokens (teacher-forced), under continuous batching of two requests."""
+    engine = make_engine(loaded, kv_cache_memory="16MiB")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    for prompt, result in zip(prompts, engine.generate(prompts, params), strict=True):
+        assert len(result.logprobs) == 6
+        rows = next_token_logprobs(ref, prompt + result.token_ids[:-1])[len(prompt) - 1 :]
+        for j, (token, lp) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
+            assert lp.logprob == pytest.approx(float(rows[j, token]), abs=1e-4)
+            assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the likeliest
+            assert [v for _, v in lp.top] == pytest.approx(
+                rows[j].topk(3).values.tolist(), abs=1e-4
+            )
+    plain = engine.generate(prompts, greedy(6))
+    assert all(r.logprobs == [] for r in plain)  # nobody asked: nothing computed

@@ -8,7 +8,14 @@ from itertools import pairwise
 import pytest
 import torch
 
-from engine.sampling import TokenHistory, adjust_logits, random_bits, sample, with_seed
+from engine.sampling import (
+    TokenHistory,
+    adjust_logits,
+    random_bits,
+    sample,
+    token_logprobs,
+    with_seed,
+)
 from protocol import SamplingParams
 
 CPU = torch.device("cpu")
@@ -277,3 +284,29 @@ def test_sampled_rows_draw_from_the_adjusted_distribution():
     picks = sample(row.expand(n, -1), [params] * n, range(n), [TokenHistory([], [])] * n)
     assert int(row.argmax()) not in picks
     assert picks == sample(row.expand(n, -1), [params] * n, range(n), [TokenHistory([], [])] * n)
+
+
+def test_token_logprobs_are_the_log_softmax_with_the_likeliest_alternatives():
+    logits = logits_rows(3)
+    tokens = [4, 9, 1]
+    found = token_logprobs(logits, tokens, [2, None, 0])
+    assert found[1] is None  # that row did not ask
+    expected = logits.log_softmax(-1)
+    assert found[0] is not None and found[2] is not None
+    assert found[0].logprob == pytest.approx(float(expected[0, 4]), abs=1e-6)
+    top_ids = expected[0].topk(2).indices.tolist()
+    assert [i for i, _ in found[0].top] == top_ids
+    assert [v for _, v in found[0].top] == pytest.approx(expected[0].topk(2).values.tolist())
+    assert found[2].top == () and found[2].logprob == pytest.approx(float(expected[2, 1]))
+    assert token_logprobs(logits, tokens, [None] * 3) == [None] * 3
+
+
+def test_logprobs_reflect_penalties_and_bias_not_temperature():
+    """They come from the adjusted logits at temperature 1 (what the README promises)."""
+    logits = logits_rows(1)
+    params = [SamplingParams(temperature=0.3, seed=1, logit_bias=((3, 5.0),), logprobs=1)]
+    adjusted = adjust_logits(logits, params, [TokenHistory([], [])])
+    found = token_logprobs(adjusted, [3], [1])[0]
+    assert found is not None
+    assert found.logprob == pytest.approx(float(adjusted.log_softmax(-1)[0, 3]), abs=1e-6)
+    assert found.logprob > float(logits.log_softmax(-1)[0, 3])

@@ -19,6 +19,7 @@ from tests.gateway.helpers import (
     MakeClient,
     assert_openai_error,
     eventually,
+    replies_for,
     tokens,
 )
 
@@ -158,6 +159,71 @@ async def test_completion_stream_text_chunks(client: Client, fake_worker: FakeWo
     assert texts == ["a", "b", ""] and events[-1] == "[DONE]"
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
     assert all("usage" not in e for e in events[:-1])
+
+
+def _with_logprobs(reply: ReplyMessage) -> ReplyMessage:
+    """What a worker sends for a request that asked for 2 alternatives: per token its log-prob
+    (-0.5 - index in the reply) and two alternatives (itself, and "Z" at -3)."""
+    z = tokens("Z")[0]
+    reply.logprobs = [[-0.5 - i, [[t, -0.5 - i], [z, -3.0]]] for i, t in enumerate(reply.token_ids)]
+    return reply
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_logprobs_in_openais_legacy_shape(
+    client: Client, fake_worker: FakeWorker, stream: bool
+) -> None:
+    body = {"prompt": "x", "logprobs": 2, "stream": stream}
+    call = asyncio.create_task(client.post("/v1/completions", json=body))
+    request = await fake_worker.take()
+    assert request.sampling_params.logprobs == 2
+    replies = [_with_logprobs(r) for r in replies_for(request, ["ab", "c"], finish="length")]
+    await fake_worker.reply(request, *replies)
+    response = await call
+    if stream:
+        events = sse_events(await response.text())
+        parts = [e["choices"][0]["logprobs"] for e in events[:-1] if e["choices"][0]["logprobs"]]
+        logprobs = {key: [v for p in parts for v in p[key]] for key in parts[0]}
+    else:
+        logprobs = (await response.json())["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "b", "c"]
+    assert logprobs["token_logprobs"] == [-0.5, -1.5, -0.5]
+    assert logprobs["text_offset"] == [0, 1, 2]
+    assert logprobs["top_logprobs"][0] == {"a": -0.5, "Z": -3.0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_logprobs_in_openais_chat_shape(
+    client: Client, fake_worker: FakeWorker, stream: bool
+) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "logprobs": True, "top_logprobs": 2, "stream": stream}
+    call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    request = await fake_worker.take()
+    assert request.sampling_params.logprobs == 2
+    await fake_worker.reply(request, *[_with_logprobs(r) for r in replies_for(request, ["é"])])
+    response = await call
+    if stream:
+        events = sse_events(await response.text())
+        content = [
+            entry
+            for e in events[:-1]
+            if e["choices"] and e["choices"][0]["logprobs"]
+            for entry in e["choices"][0]["logprobs"]["content"]
+        ]
+    else:
+        content = (await response.json())["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.5, -1.5]  # "é" is two byte tokens
+    assert content[0]["top_logprobs"][1] == {"token": "Z", "logprob": -3.0, "bytes": [90]}
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+
+
+async def test_no_logprobs_unless_asked(client: Client, fake_worker: FakeWorker) -> None:
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+    request = await fake_worker.take()
+    assert request.sampling_params.logprobs is None
+    await fake_worker.answer(request, ["a"])
+    assert (await (await call).json())["choices"][0]["logprobs"] is None
 
 
 async def test_text_is_made_from_token_ids_with_characters_held_until_complete(

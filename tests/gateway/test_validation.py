@@ -66,7 +66,11 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (CHAT, {"messages": [{"role": SECRET, "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [*USER, {"role": "user", "content": 5}]}, "messages[1].content"),
     (CHAT, {"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0]"),
-    (CHAT, {"messages": USER, "logprobs": True}, "logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": USER, "logprobs": 1}, "logprobs"),
+    (COMPLETIONS, {"prompt": SECRET, "logprobs": 21}, "logprobs"),
+    (COMPLETIONS, {"prompt": SECRET, "logprobs": True}, "logprobs"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "name": SECRET}]}, "tools"),
     (CHAT, {"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
     # Added with the reliability audit:

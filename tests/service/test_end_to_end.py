@@ -13,7 +13,10 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from engine.config import EngineConfig
+from engine.llm_engine import Engine
 from engine.model_loader import load_model
+from protocol import SamplingParams
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
 from tests.services import Worker, running_stack, wait_for
 
@@ -103,6 +106,28 @@ async def test_logit_bias_and_min_tokens_reach_the_workers_sampler(system):
             out = await resp.json()
     # 72 is a stop token: with the bias it is picked as soon as min_tokens allows it.
     assert out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_logprobs_through_the_service_are_the_engines(system):
+    """completions `logprobs: 2`: the worker's sampler computes them, the gateway shapes them;
+    they equal the offline engine's for the same greedy tokens."""
+    base, _ = system
+    prompt, n = [5, 9, 40, 77], 6
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 2}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{base}/v1/completions", json=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        served = (await resp.json())["choices"][0]["logprobs"]
+    loaded = load_model(MODEL)
+    engine = Engine(EngineConfig(model=MODEL, kv_cache_memory="16MiB"), loaded=loaded)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
+    want = engine.generate([prompt], params)[0]
+    texts = [loaded.tokenizer.decode([t]) for t in want.token_ids]
+    assert served["tokens"] == texts and len(served["top_logprobs"]) == n
+    assert served["token_logprobs"] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert served["text_offset"] == [sum(map(len, texts[:i])) for i in range(n)]
 
 
 async def test_client_gone_mid_stream_frees_slot_and_kv(system):

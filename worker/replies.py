@@ -94,13 +94,7 @@ class ReplyBook:
             if out.finished:
                 self.finish(out, now)
             else:
-                self._send(
-                    out.request_id,
-                    request,
-                    out.new_token_ids,
-                    out.delta_text,
-                    logprobs=wire_logprobs(out.logprobs),
-                )
+                self._send_output(out, request)
 
     def finish(
         self,
@@ -113,12 +107,9 @@ class ReplyBook:
         request = self.tracked.pop(out.request_id)
         self.unscheduled.discard(out.request_id)
         reason = out.finish_reason or "abort"
-        self._send(
-            out.request_id,
+        self._send_output(
+            out,
             request,
-            out.new_token_ids,
-            out.delta_text,
-            logprobs=wire_logprobs(out.logprobs),
             finish_reason=reason,
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,
@@ -148,6 +139,13 @@ class ReplyBook:
         self.outbox.acks.append(request.entry_id)
         self.metrics.finished(reason, 0, None)
         logger.debug("request_dropped %s", kv(request=request_id, reason=reason))
+
+    def _send_output(self, out: RequestOutput, request: TrackedRequest, **final: object) -> None:
+        """One engine output as a reply: its tokens, text and log-probs (and `final` fields)."""
+        logprobs = wire_logprobs(out.logprobs)
+        self._send(
+            out.request_id, request, out.new_token_ids, out.delta_text, logprobs=logprobs, **final
+        )
 
     def _send(
         self,

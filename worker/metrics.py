@@ -26,34 +26,10 @@ from prometheus_client import (
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from engine.step_timing import PHASES, PUBLISH, StepTiming
+from protocol.metric_buckets import TTFT_BUCKETS
 from scheduler import SchedulerStats
 from worker.vllm_metrics import served_registry
 
-# vLLM's buckets (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
 ITL_BUCKETS = (
     0.01,
     0.025,

@@ -322,9 +322,11 @@ def mixed_trace(num_requests: int, vocab_size: int, max_output: int | None) -> l
 
 
 def check_mixed(device: torch.device, profile: Profile) -> dict[str, Any]:
-    runs = _mixed_baselines(device, profile)  # each side builds its own model and drops it
+    vocab = int(random_model_config(profile.mixed_model, **profile.overrides).vocab_size)
+    requests = mixed_trace(profile.mixed_requests, vocab, profile.mixed_max_output)
+    runs = _mixed_baselines(device, profile, requests)  # each side builds its own model
     _free(device)
-    runs["jitney-continuous"] = _mixed_jitney(device, profile)
+    runs["jitney-continuous"] = _mixed_jitney(device, profile, requests)
     _free(device)
     table: dict[str, dict[str, Any]] = {}
     for name, run in runs.items():
@@ -336,7 +338,6 @@ def check_mixed(device: torch.device, profile: Profile) -> dict[str, Any]:
     for name in ("hf-generate", "hf-cb"):
         base = table[name].get("tokens_per_s")
         table[name]["jitney_ratio"] = jitney / base if jitney and base else None
-    requests = _mixed_requests(profile, _vocab_size(profile))
     return {
         "model": RANDOM_PREFIX + profile.mixed_model,
         "requests": len(requests),
@@ -345,17 +346,10 @@ def check_mixed(device: torch.device, profile: Profile) -> dict[str, Any]:
     }
 
 
-def _vocab_size(profile: Profile) -> int:
-    return int(random_model_config(profile.mixed_model, **profile.overrides).vocab_size)
-
-
-def _mixed_requests(profile: Profile, vocab_size: int) -> list[TraceRequest]:
-    return mixed_trace(profile.mixed_requests, vocab_size, profile.mixed_max_output)
-
-
-def _mixed_baselines(device: torch.device, profile: Profile) -> dict[str, RunResult | str]:
+def _mixed_baselines(
+    device: torch.device, profile: Profile, requests: list[TraceRequest]
+) -> dict[str, RunResult | str]:
     ref = build_loaded(profile.mixed_model, device, profile)  # left on transformers' attention
-    requests = _mixed_requests(profile, _vocab_size(profile))
     return {
         "hf-generate": _attempt(lambda: run_hf_generate(ref, requests, profile.hf_batch_size)),
         # transformers' own defaults only: one run (its candidate search would cost minutes).
@@ -363,7 +357,9 @@ def _mixed_baselines(device: torch.device, profile: Profile) -> dict[str, RunRes
     }
 
 
-def _mixed_jitney(device: torch.device, profile: Profile) -> RunResult | str:
+def _mixed_jitney(
+    device: torch.device, profile: Profile, requests: list[TraceRequest]
+) -> RunResult | str:
     loaded = build_loaded(profile.mixed_model, device, profile)  # the engine patches its model
     config = EngineConfig(
         model=loaded.name,
@@ -372,7 +368,6 @@ def _mixed_jitney(device: torch.device, profile: Profile) -> RunResult | str:
         max_num_seqs=256,
         max_num_batched_tokens=8192,
     )
-    requests = _mixed_requests(profile, _vocab_size(profile))
     return _attempt(lambda: run_jitney(config, loaded, requests))
 
 

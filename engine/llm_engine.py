@@ -110,7 +110,6 @@ class Engine:
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
         self.last_step_timing = StepTiming()  # the phases of the last step (the worker exports)
         self.last_idle_check_s = 0.0  # the pool check the last step ran if it left us idle
-        self._step_logprobs: dict[str, TokenLogprobs] = {}  # from sample to the outputs
         if progress is not None:
             progress(self.capacity.table())
 
@@ -246,8 +245,8 @@ class Engine:
         clock = PhaseClock()
         plan = self.policy.schedule(time.monotonic())
         clock.lap("schedule")
-        sampled = self._run(plan, clock) if not plan.is_empty else {}
-        deltas = self._detokenize(sampled)
+        sampled, logprobs = self._run(plan, clock) if not plan.is_empty else ({}, {})
+        deltas = self._detokenize(sampled, logprobs)
         outputs = self._postprocess(plan, sampled, deltas)
         clock.lap("postprocess")
         self.last_step_timing = clock.timing
@@ -261,7 +260,10 @@ class Engine:
             self.last_idle_check_s = time.perf_counter() - start
         return outputs
 
-    def _run(self, plan: StepPlan, clock: PhaseClock) -> dict[str, int]:
+    def _run(
+        self, plan: StepPlan, clock: PhaseClock
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """The step's sampled token per sequence, and the log-probs of those that asked."""
         inputs = self.runner.prepare(plan, self.policy.seqs, self.block_manager.block_ids)
         clock.lap("prepare")
         logits = self.runner.forward(inputs)
@@ -270,7 +272,6 @@ class Engine:
         sampling_ids = [c.seq_id for c in plan.chunks if c.samples]
         reqs = [self.requests[i] for i in sampling_ids]
         params = [r.params for r in reqs]
-        histories = None
         if any(p.adjusts_logits for p in params):
             histories = [
                 TokenHistory(
@@ -278,21 +279,23 @@ class Engine:
                 )
                 for r in reqs
             ]
-        if histories is not None:
             logits = adjust_logits(logits, params, histories)
         # A draw's position is its output index, so a resumed request continues its stream.
         tokens = sample(logits, params, [r.seq.num_output_tokens for r in reqs])
+        logprobs = {}
         if any(p.logprobs is not None for p in params):
             found = token_logprobs(logits, tokens, [p.logprobs for p in params])
-            self._step_logprobs = {i: lp for i, lp in zip(sampling_ids, found, strict=True) if lp}
+            logprobs = {i: lp for i, lp in zip(sampling_ids, found, strict=True) if lp}
         clock.lap("sample")
-        return dict(zip(sampling_ids, tokens, strict=True))
+        return dict(zip(sampling_ids, tokens, strict=True)), logprobs
 
-    def _detokenize(self, sampled: dict[str, int]) -> dict[str, RequestOutput]:
-        """Each sampled token's text delta (a stop string found ends its request in update)."""
+    def _detokenize(
+        self, sampled: dict[str, int], logprobs: dict[str, TokenLogprobs]
+    ) -> dict[str, RequestOutput]:
+        """Each sampled token's output: its text delta (a stop string found ends its request in
+        update) and its log-probs when asked."""
         outputs: dict[str, RequestOutput] = {}
         requests = self.requests
-        logprobs, self._step_logprobs = self._step_logprobs, {}
         for seq_id, token in sampled.items():
             req = requests[seq_id]
             detok = req.detok

@@ -50,17 +50,12 @@ class TokenHistory:
 
 
 def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int],
-    histories: Sequence[TokenHistory] | None = None,
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> list[int]:
-    """One token per row of `logits` ([N, vocab]) for N requests; `positions[i]` is the number
-    of output tokens request i already has (where its draw is in its random stream). Sampled
-    rows need a seed (`with_seed`); rows whose params adjust logits need `histories`. One
-    device-to-host transfer: the tokens."""
-    if histories is not None:
-        logits = adjust_logits(logits, params, histories)
+    """One token per row of `logits` ([N, vocab]) for N requests (already adjusted by
+    `adjust_logits` where the params ask); `positions[i]` is the number of output tokens
+    request i already has (where its draw is in its random stream). Sampled rows need a seed
+    (`with_seed`). One device-to-host transfer: the tokens."""
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return logits.argmax(dim=-1).tolist()

@@ -281,9 +281,9 @@ class _Relay:
                 break
         if reason not in NORMAL_FINISH:
             raise final_error(reply)
-        logprobs = merge(logprob_parts) if self.logprobs is not None else None
-        if self.logprobs is not None and logprobs is None:  # no token at all
-            logprobs = self.logprobs.part([], [])
+        logprobs = None
+        if self.logprobs is not None:  # asked for: an empty object when no token came
+            logprobs = merge(logprob_parts) or self.logprobs.part([], [])
         body = self.responder.body("".join(parts), reason, self.usage(reply), logprobs)
         return web.json_response(body, headers={"X-Request-Id": self.responder.request_id})
 

@@ -250,20 +250,25 @@ def test_penalties_follow_their_formulas_row_by_row():
     assert torch.allclose(got, want)
 
 
+def _adjusted_pick(logits, params, positions, histories) -> list[int]:
+    """What the engine does: adjust the logits, then sample from them."""
+    return sample(adjust_logits(logits, params, histories), params, positions)
+
+
 def test_logit_bias_and_min_tokens_decide_greedy_picks():
     logits = logits_rows(2)
     top = int(logits[0].argmax())
     forced = SamplingParams(temperature=0, logit_bias=((7, 100.0),))
     banned = SamplingParams(temperature=0, logit_bias=((top, -100.0),))
     history = [TokenHistory([], [])] * 2
-    assert sample(logits[:1].expand(2, -1), [forced, banned], [0, 0], history)[0] == 7
-    assert sample(logits[:1], [banned], [0], history[:1])[0] != top
+    assert _adjusted_pick(logits[:1].expand(2, -1), [forced, banned], [0, 0], history)[0] == 7
+    assert _adjusted_pick(logits[:1], [banned], [0], history[:1])[0] != top
     # The argmax is a stop token: held back until min_tokens output tokens exist.
     held = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
     early = TokenHistory([], [11], stop_ids={top})
-    assert sample(logits[:1], [held], [1], [early])[0] != top
+    assert _adjusted_pick(logits[:1], [held], [1], [early])[0] != top
     done = TokenHistory([], [11, 12], stop_ids={top})
-    assert sample(logits[:1], [held], [2], [done])[0] == top
+    assert _adjusted_pick(logits[:1], [held], [2], [done])[0] == top
 
 
 def test_adjustments_of_a_row_do_not_depend_on_its_batch():
@@ -281,9 +286,10 @@ def test_sampled_rows_draw_from_the_adjusted_distribution():
     row = logits_rows(1)[0]
     params = SamplingParams(seed=5, logit_bias=((int(row.argmax()), -100.0),))
     n = 2000
-    picks = sample(row.expand(n, -1), [params] * n, range(n), [TokenHistory([], [])] * n)
+    histories = [TokenHistory([], [])] * n
+    picks = _adjusted_pick(row.expand(n, -1), [params] * n, range(n), histories)
     assert int(row.argmax()) not in picks
-    assert picks == sample(row.expand(n, -1), [params] * n, range(n), [TokenHistory([], [])] * n)
+    assert picks == _adjusted_pick(row.expand(n, -1), [params] * n, range(n), histories)
 
 
 def test_token_logprobs_are_the_log_softmax_with_the_likeliest_alternatives():

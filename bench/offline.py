@@ -35,6 +35,14 @@ class OfflineBenchError(ValueError):
     """The run cannot start as asked (a trace the model cannot read, an unknown baseline)."""
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredRun:
+    """--response-format: each policy runs again with every request constrained to `grammar`."""
+
+    label: str  # json_object, json_schema, regex
+    grammar: str  # llguidance grammar (protocol.grammar)
+
+
 @dataclass(slots=True)
 class _Clock:
     """Per-request first-token and completion times, relative to the run's start."""
@@ -57,18 +65,26 @@ def run_jitney(
     requests: Sequence[TraceRequest],
     warmup: bool = True,
     detokenize: bool = True,
+    structured: StructuredRun | None = None,
 ) -> RunResult:
     """Run the trace through the engine with `config.batching`; all requests at t=0.
     `detokenize=False` runs the engine as a worker does: token ids out, the text left to the
-    gateway, so the step is what a served step costs."""
+    gateway, so the step is what a served step costs. `structured`: every request constrained
+    to its grammar (a request ends early when its grammar is complete)."""
     engine = Engine(config, loaded=loaded)
     if warmup and requests:
         engine.generate([requests[0].prompt_ids], SamplingParams(max_tokens=2, temperature=0))
     clock = _Clock(time.perf_counter(), {}, {})
     outputs: dict[str, list[int]] = {}
+    ended_by_grammar = 0
+    grammar = None if structured is None else structured.grammar
     for r in requests:
         params = SamplingParams(
-            max_tokens=r.output_len, temperature=0, ignore_eos=True, detokenize=detokenize
+            max_tokens=r.output_len,
+            temperature=0,
+            ignore_eos=True,
+            detokenize=detokenize,
+            grammar=grammar,
         )
         engine.add_request(r.request_id, r.prompt_ids, params, arrival_time=time.monotonic())
         outputs[r.request_id] = []
@@ -84,12 +100,14 @@ def run_jitney(
         for out in step_outputs:
             outputs[out.request_id] += out.new_token_ids
             clock.saw(out.request_id, out.finished, bool(out.new_token_ids))
+            ended_by_grammar += out.finish_reason == "stop"
         steps += 1
         peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
     wall = time.perf_counter() - clock.start
     useful = sum(len(v) for v in outputs.values())
+    suffix = "" if structured is None else f"+{structured.label}"
     return RunResult(
-        name=f"jitney-{config.batching}",
+        name=f"jitney-{config.batching}{suffix}",
         wall_s=wall,
         num_output_tokens=useful,
         latencies_s=clock.done,
@@ -103,6 +121,7 @@ def run_jitney(
             "kv_blocks_total": engine.block_manager.num_blocks,
             "phase_ms_per_step": _ms_per_step(phases, step_s, steps),
             "detokenize": detokenize,
+            "ended_by_grammar": ended_by_grammar,
         },
     )
 
@@ -164,6 +183,22 @@ def format_table(ours: list[RunResult], baselines: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def format_structured(pairs: list[tuple[RunResult, RunResult]], num_requests: int) -> str:
+    """Each policy's constrained run against its free run (same trace, same process)."""
+    lines = []
+    for free, constrained in pairs:
+        free_ms = free.extra["phase_ms_per_step"][STEP]
+        ms = constrained.extra["phase_ms_per_step"][STEP]
+        lines.append(
+            f"{constrained.name}: useful tokens/s = "
+            f"{constrained.tokens_per_s / free.tokens_per_s:.2f}x {free.name}; "
+            f"{ms:.2f} ms per step vs {free_ms:.2f}; "
+            f"{constrained.extra['ended_by_grammar']} of {num_requests} requests ended by "
+            "their grammar before output_len"
+        )
+    return "\n".join(lines)
+
+
 def format_phase_table(ours: list[RunResult]) -> str:
     """Mean ms per step of each engine phase; `step` is timed around Engine.step, so the phases
     add up to it; `overhead` is the step minus the forward."""
@@ -190,6 +225,7 @@ def run_offline_bench(
     load: Callable[[], LoadedModel],
     say: Callable[[str], None] = print,
     detokenize: bool = True,
+    structured: StructuredRun | None = None,
 ) -> dict[str, Any]:
     """Baselines first (on a model left on transformers' attention), then each policy.
     Raises OfflineBenchError before running anything if the trace does not fit the model."""
@@ -212,13 +248,20 @@ def run_offline_bench(
     loaded = load()
     check_token_ids(requests, loaded)
     ours = []
+    compared = []
     for policy in policies:
-        say(f"running jitney --batching {policy} ...")
         config = replace(base_config, batching=policy)
-        ours.append(run_jitney(config, loaded, requests, detokenize=detokenize))
-        say(f"  jitney-{policy}: {ours[-1].tokens_per_s:.1f} useful tokens/s")
+        for run in (None, structured) if structured else (None,):
+            result = run_jitney(config, loaded, requests, detokenize=detokenize, structured=run)
+            ours.append(result)
+            say(f"  {result.name}: {result.tokens_per_s:.1f} useful tokens/s")
+        if structured:
+            compared.append((ours[-2], ours[-1]))
+    table = format_table(ours, base_results)
+    if compared:
+        table += "\n\n" + format_structured(compared, len(requests))
     return {
-        "table": format_table(ours, base_results),
+        "table": table,
         "phase_table": format_phase_table(ours),
         "results": [{**r.summary(), "extra": r.extra} for r in [*ours, *base_results]],
     }

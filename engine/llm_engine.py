@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+from llguidance import LLMatcher
 
 from engine.capacity import KVCapacity, budget_bytes, plan_capacity
 from engine.config import EngineConfig
@@ -21,11 +24,13 @@ from engine.sampling import (
     TokenHistory,
     TokenLogprobs,
     adjust_logits,
+    choice_seed,
     sample,
     token_logprobs,
     with_seed,
 )
 from engine.step_timing import PhaseClock, StepTiming, sync_device
+from engine.structured import Grammars, apply_masks
 from protocol.detokenizer import IncrementalDetokenizer
 from protocol.sampling import SamplingParams
 from scheduler import (
@@ -33,6 +38,7 @@ from scheduler import (
     KVBlockManager,
     SchedulerStats,
     Sequence,
+    SequenceStatus,
     StepPlan,
     make_policy,
 )
@@ -50,6 +56,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
+    index: int = 0  # the choice (params.n > 1)
     delta_text: str = ""
     finished: bool = False
     finish_reason: str | None = None
@@ -57,6 +64,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    # Each prompt token's after the first, in the request's first output (when it asked).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +75,22 @@ class _Request:
     seq: Sequence
     params: SamplingParams  # seeded if it samples (engine.sampling.with_seed)
     detok: IncrementalDetokenizer | None  # None: token ids only (params.detokenize is False)
+    request_id: str = ""
+    index: int = 0  # the choice (params.n)
+    matcher: LLMatcher | None = None  # its grammar's state (params.grammar)
+    # Prompt log-probs collected so far (positions 1..), until sent with the first output.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    # Choices 1.. of a fresh request, queued once this (choice 0) has its prompt computed.
+    held: list[_Request] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _StepResult:
+    """What one forward pass and its sampling produced."""
+
+    sampled: dict[str, int]  # the token of every sequence that sampled
+    logprobs: dict[str, TokenLogprobs]  # of those that asked
+    grammar_done: set[str]  # sequences whose grammar is complete with this token
 
 
 class Engine:
@@ -106,8 +131,15 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}  # by sequence: one per choice of a request
+        self.choices: dict[str, list[str]] = {}  # request id -> its choices' sequence ids
+        # Sequences with a grammar, and those still collecting prompt log-probs: most steps
+        # have neither, and then skip looking for them (a loop over the batch each).
+        self._constrained: set[str] = set()
+        self._collecting: set[str] = set()
+        self._holding: set[str] = set()  # choice 0 of requests whose other choices wait on it
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
+        self.grammars = Grammars(self.loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self.last_step_timing = StepTiming()  # the phases of the last step (the worker exports)
         self.last_idle_check_s = 0.0  # the pool check the last step ran if it left us idle
         if progress is not None:
@@ -149,7 +181,7 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
-        output_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | Mapping[int, list[int]] | None = None,
     ) -> None:
         """Queue a request. Raises RequestTooLongError or InfeasibleRequestError (ValueErrors).
 
@@ -158,8 +190,19 @@ class Engine:
         (so only text after them is emitted) and seeded sampling resumes at their position.
         With `params.detokenize` off, outputs carry token ids only and stop strings are the
         caller's: it aborts the request when it finds one.
+
+        `params.n` > 1: choice 0 is queued; choices 1.. join at the front of the queue once its
+        prompt is computed, so their prompt blocks are the prefix cache's (allocated once). A
+        taken-over request with choices gives a mapping, choice -> delivered tokens, of the
+        choices that had not finished (the others are not run again).
         """
-        resumed = list(output_token_ids or ())
+        if isinstance(output_token_ids, Mapping):
+            resumed = {i: list(tokens) for i, tokens in output_token_ids.items()}
+        else:
+            resumed = {i: [] for i in range(params.n)}
+            resumed[0] = list(output_token_ids or ())
+        if not resumed or not all(0 <= i < params.n for i in resumed):
+            raise ValueError(f"resumed choices {sorted(resumed)} do not fit n={params.n}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestTooLongError(
@@ -170,39 +213,103 @@ class Engine:
             raise ValueError(
                 f"logit_bias names token ids outside the vocabulary (size {self.vocab_size})"
             )
+        if request_id in self.choices:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        reqs = [
+            self._choice(request_id, i, prompt_token_ids, params, arrival, tokens)
+            for i, tokens in sorted(resumed.items())
+        ]  # every choice is built (and checked) before any is queued
+        fresh = not any(resumed.values())
+        first, later = (reqs[0], reqs[1:]) if fresh else (None, reqs)
+        for req in reqs if first is None else [first]:
+            self.policy.add_request(req.seq)
+        if first is not None and later:
+            first.held = later  # queued once choice 0's prompt is computed
+            self._holding.add(first.seq.seq_id)
+        for req in reqs:
+            self.requests[req.seq.seq_id] = req
+            if req.matcher is not None:
+                self._constrained.add(req.seq.seq_id)
+            if req.prompt_logprobs is not None:
+                self._collecting.add(req.seq.seq_id)
+        self.choices[request_id] = [req.seq.seq_id for req in reqs]
+
+    def _choice(
+        self,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival: float,
+        resumed: list[int],
+    ) -> _Request:
+        """One choice's sequence and state (not queued yet)."""
+        if index:
+            params = replace(params, seed=choice_seed(params.seed, index), prompt_logprobs=None)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
-        seq = Sequence.create(
-            request_id,
-            prompt_token_ids,
-            params.max_tokens,
-            time.monotonic() if arrival_time is None else arrival_time,
-            sorted(stop_ids),
-            resumed,
-        )
+        seq_id = request_id if index == 0 else f"{request_id}#{index}"
+        seq = Sequence.create(seq_id, prompt, params.max_tokens, arrival, sorted(stop_ids), resumed)
         detok = None
         if params.detokenize:
-            detok = IncrementalDetokenizer.create(
-                self.loaded.tokenizer, prompt_token_ids, params.stop
-            )
+            detok = IncrementalDetokenizer.create(self.loaded.tokenizer, prompt, params.stop)
             for token in resumed:
                 detok.add(token)
-        self.policy.add_request(seq)
-        self.requests[request_id] = _Request(seq, with_seed(params), detok)
+        req = _Request(seq, with_seed(params), detok, request_id, index)
+        if params.grammar is not None:  # GrammarError (a ValueError) before anything is queued
+            req.matcher = self.grammars.matcher(params.grammar, resumed)
+        # A resumed request's first reply, sent by another worker, had them already.
+        if params.prompt_logprobs is not None and not resumed:
+            req.prompt_logprobs = []
+            seq.uses_prefix_cache = False  # every prompt position must yield logits
+        return req
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request now; its KV blocks are free when this returns."""
-        if self.policy.abort(request_id, time.monotonic()) is None:
-            return None
-        return self._final_output(self.requests.pop(request_id))
+    def abort(self, request_id: str, index: int | None = None) -> list[RequestOutput]:
+        """End a request now (or one of its choices); its KV blocks are free when this returns.
+        The final output of every choice that was still running (none if it was unknown)."""
+        seq_ids = self.choices.get(request_id, [])
+        if index is not None:
+            seq_ids = [i for i in seq_ids if self.requests[i].index == index]
+        finals = []
+        now = time.monotonic()
+        for seq_id in list(seq_ids):
+            req = self.requests[seq_id]
+            if seq_id in self.policy.seqs:
+                if self.policy.abort(seq_id, now) is None:
+                    continue  # finished already (a static batch holds finished sequences)
+                self._release_held(req)  # the other choices go on (unless aborted next)
+            else:  # held back behind choice 0, never queued
+                self.requests[req.request_id].held.remove(req)
+                req.seq.set_status(SequenceStatus.FINISHED_ABORTED)
+            finals.append(self._final_output(self._forget(seq_id)))
+        return finals
+
+    def _forget(self, seq_id: str) -> _Request:
+        """Drop a finished or aborted choice; the request goes with its last choice."""
+        req = self.requests.pop(seq_id)
+        self._constrained.discard(seq_id)
+        self._collecting.discard(seq_id)
+        seq_ids = self.choices[req.request_id]
+        seq_ids.remove(seq_id)
+        if not seq_ids:
+            del self.choices[req.request_id]
+        return req
+
+    def _release_held(self, req: _Request) -> None:
+        """Queue the choices held back until `req`'s prompt was computed (or it ended)."""
+        for later in reversed(req.held):
+            self.policy.add_request(later.seq, front=True)
+        req.held = []
+        self._holding.discard(req.seq.seq_id)
 
     def reset(self) -> None:
         """Drop every request (after a failed step, or when they were handed to another worker).
         A step that raised may have left the scheduler half-updated: if the block accounting no
         longer adds up, start from a fresh pool and policy (the KV tensors are reused)."""
         failed = []
-        for request_id in list(self.requests):
+        for request_id in list(self.choices):
             try:
                 self.abort(request_id)
             except Exception:  # a half-updated sequence: its scheduler state cannot be trusted
@@ -210,6 +317,10 @@ class Engine:
                 failed.append(request_id)
         # What an abort left behind (a failed one, a finished static-batch mate) goes too.
         self.requests.clear()
+        self.choices.clear()
+        self._constrained.clear()
+        self._collecting.clear()
+        self._holding.clear()
         broken = f"aborting {failed} raised" if failed else self._unreusable_state()
         if broken is not None:
             logger.warning("engine state rebuilt after a failed step: %s", broken)
@@ -245,9 +356,9 @@ class Engine:
         clock = PhaseClock()
         plan = self.policy.schedule(time.monotonic())
         clock.lap("schedule")
-        sampled, logprobs = self._run(plan, clock) if not plan.is_empty else ({}, {})
-        deltas = self._detokenize(sampled, logprobs)
-        outputs = self._postprocess(plan, sampled, deltas)
+        result = self._run(plan, clock) if not plan.is_empty else _StepResult({}, {}, set())
+        deltas = self._detokenize(result)
+        outputs = self._postprocess(plan, result.sampled, deltas, result.grammar_done)
         clock.lap("postprocess")
         self.last_step_timing = clock.timing
         self.last_idle_check_s = 0.0
@@ -260,17 +371,29 @@ class Engine:
             self.last_idle_check_s = time.perf_counter() - start
         return outputs
 
-    def _run(
-        self, plan: StepPlan, clock: PhaseClock
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """The step's sampled token per sequence, and the log-probs of those that asked."""
-        inputs = self.runner.prepare(plan, self.policy.seqs, self.block_manager.block_ids)
+    def _run(self, plan: StepPlan, clock: PhaseClock) -> _StepResult:
+        """The step's sampled token per sequence, and what the requests asked beside it."""
+        requests = self.requests
+        sampling_ids = [c.seq_id for c in plan.chunks if c.samples]
+        reqs = [requests[i] for i in sampling_ids]
+        prompt_rows = self._prompt_rows(plan)
+        inputs = self.runner.prepare(
+            plan, self.policy.seqs, self.block_manager.block_ids, prompt_rows
+        )
         clock.lap("prepare")
         logits = self.runner.forward(inputs)
+        constrained = []
+        if self._constrained:
+            constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
+        masks = None
+        if constrained:  # on a GPU the forward still runs meanwhile (on a CPU: microseconds)
+            masks = self.grammars.masks([reqs[j].matcher for j in constrained])  # type: ignore[misc]
         sync_device(self.device)  # the forward's lap ends when its kernels do (step_timing.py)
         clock.lap("forward")
-        sampling_ids = [c.seq_id for c in plan.chunks if c.samples]
-        reqs = [self.requests[i] for i in sampling_ids]
+        result = _StepResult({}, {}, set())
+        if prompt_rows:
+            self._collect_prompt_logprobs(plan, prompt_rows, logits[len(reqs) :])
+            logits = logits[: len(reqs)]
         params = [r.params for r in reqs]
         if any(p.adjusts_logits for p in params):
             histories = [
@@ -280,48 +403,107 @@ class Engine:
                 for r in reqs
             ]
             logits = adjust_logits(logits, params, histories)
+        if masks is not None:
+            logits = apply_masks(logits, constrained, masks)
         # A draw's position is its output index, so a resumed request continues its stream.
         tokens = sample(logits, params, [r.seq.num_output_tokens for r in reqs])
-        logprobs = {}
         if any(p.logprobs is not None for p in params):
             found = token_logprobs(logits, tokens, [p.logprobs for p in params])
-            logprobs = {i: lp for i, lp in zip(sampling_ids, found, strict=True) if lp}
+            result.logprobs = {i: lp for i, lp in zip(sampling_ids, found, strict=True) if lp}
+        for j in constrained:
+            matcher = reqs[j].matcher
+            assert matcher is not None
+            # A token the mask allowed is always accepted; a refused one (every token masked,
+            # e.g. min_tokens holding back the only end the grammar leaves) ends the request.
+            if not matcher.consume_token(tokens[j]) or matcher.is_stopped():
+                result.grammar_done.add(sampling_ids[j])
         clock.lap("sample")
-        return dict(zip(sampling_ids, tokens, strict=True)), logprobs
+        result.sampled = dict(zip(sampling_ids, tokens, strict=True))
+        return result
 
-    def _detokenize(
-        self, sampled: dict[str, int], logprobs: dict[str, TokenLogprobs]
-    ) -> dict[str, RequestOutput]:
+    def _prompt_rows(self, plan: StepPlan) -> dict[str, int]:
+        """Prompt positions whose logits this step must return, per sequence collecting prompt
+        log-probs: its chunk's positions before the prompt's last (whose logits sample)."""
+        rows: dict[str, int] = {}
+        if not self._collecting:
+            return rows
+        requests = self.requests
+        for chunk in plan.chunks:
+            req = requests[chunk.seq_id]
+            if req.prompt_logprobs is None or not chunk.is_prefill:
+                continue
+            k = min(chunk.num_tokens, req.seq.num_prompt_tokens - 1 - chunk.start)
+            if k > 0:
+                rows[chunk.seq_id] = k
+        return rows
+
+    def _collect_prompt_logprobs(
+        self, plan: StepPlan, prompt_rows: dict[str, int], logits: torch.Tensor
+    ) -> None:
+        """Collect the log-prob of each prompt token under the raw logits of the position
+        before it (sent with the request's first output)."""
+        chunks = [c for c in plan.chunks if c.seq_id in prompt_rows]
+        targets, counts = [], []
+        for c in chunks:
+            prompt = self.requests[c.seq_id].seq.prompt_token_ids
+            targets += prompt[c.start + 1 : c.start + 1 + prompt_rows[c.seq_id]]
+            counts += [self.requests[c.seq_id].params.prompt_logprobs] * prompt_rows[c.seq_id]
+        found = token_logprobs(logits, targets, counts)
+        at = 0
+        for c in chunks:
+            req = self.requests[c.seq_id]
+            collected = req.prompt_logprobs
+            assert collected is not None
+            k = prompt_rows[c.seq_id]
+            # A recompute (after a preemption) computes positions again: keep the first.
+            for position, lp in enumerate(found[at : at + k], start=c.start):
+                if position == len(collected):
+                    collected.append(lp)  # type: ignore[arg-type]
+            at += k
+
+    def _detokenize(self, result: _StepResult) -> dict[str, RequestOutput]:
         """Each sampled token's output: its text delta (a stop string found ends its request in
         update) and its log-probs when asked."""
         outputs: dict[str, RequestOutput] = {}
         requests = self.requests
-        for seq_id, token in sampled.items():
+        logprobs = result.logprobs
+        for seq_id, token in result.sampled.items():
             req = requests[seq_id]
             detok = req.detok
-            out = outputs[seq_id] = RequestOutput(seq_id, [token])
+            out = outputs[seq_id] = RequestOutput(req.request_id, [token], req.index)
             if detok is not None:
                 out.delta_text = detok.add(token)
             if logprobs and (lp := logprobs.get(seq_id)) is not None:
                 out.logprobs = [lp]
             out.num_output_tokens = req.seq.num_output_tokens + 1
+            if req.prompt_logprobs is not None:  # complete: the first token samples after them
+                out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+                self._collecting.discard(seq_id)
         return outputs
 
     def _postprocess(
-        self, plan: StepPlan, sampled: dict[str, int], outputs: dict[str, RequestOutput]
+        self,
+        plan: StepPlan,
+        sampled: dict[str, int],
+        outputs: dict[str, RequestOutput],
+        stopped: set[str],
     ) -> list[RequestOutput]:
+        """Finish what ended: a stop string (`stopped` already holds completed grammars)."""
         requests = self.requests
-        stopped = {
+        stopped |= {
             seq_id
             for seq_id in outputs
             if (detok := requests[seq_id].detok) is not None and detok.stopped
         }
+        for seq_id in [i for i in self._holding if i in sampled]:
+            self._release_held(requests[seq_id])  # its prompt is computed: the others may start
         for seq in self.policy.update(plan, sampled, stopped, time.monotonic()):
-            final = self._final_output(self.requests.pop(seq.seq_id))
+            final = self._final_output(self._forget(seq.seq_id))
             delta = outputs.pop(seq.seq_id, None)
             if delta is not None:
                 final.new_token_ids = delta.new_token_ids
                 final.logprobs = delta.logprobs
+                final.prompt_logprobs = delta.prompt_logprobs
                 final.delta_text = delta.delta_text + final.delta_text
             outputs[seq.seq_id] = final
         return list(outputs.values())
@@ -329,7 +511,8 @@ class Engine:
     def _final_output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         return RequestOutput(
-            seq.seq_id,
+            req.request_id,
+            index=req.index,
             delta_text="" if req.detok is None else req.detok.finish(),
             finished=True,
             finish_reason=seq.status.finish_reason,
@@ -346,6 +529,8 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine; use add_request/step instead")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if any(p.n > 1 for p in params_list):
+            raise ValueError("generate() returns one result per prompt: use add_request for n > 1")
         results = {}
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             rid = f"offline-{i}"
@@ -367,11 +552,14 @@ class CompletedRequest:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when the request asked
 
     def absorb(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
         self.text += out.delta_text
         self.logprobs += out.logprobs or ()
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.num_cached_tokens = out.num_cached_tokens

@@ -43,10 +43,12 @@ class ModelRunner:
         plan: StepPlan,
         seqs: Mapping[str, Sequence],
         block_ids: Callable[[str], list[int]],
+        prompt_rows: Mapping[str, int] | None = None,
     ) -> AttentionMetadata:
         """The packed inputs of every chunk of `plan`, on the device, for `forward`.
         `block_ids(seq_id)` is the sequence's live block list: the same object for as long as
-        its allocation lives (see InputBatch.row)."""
+        its allocation lives (see InputBatch.row). `prompt_rows[seq_id] = k`: that sequence's
+        chunk also yields logits for its first k tokens (after the sampling rows)."""
         input_ids: list[int] = []
         layout: list[tuple[int, int, list[int]]] = []
         for chunk in plan.chunks:
@@ -61,6 +63,13 @@ class ModelRunner:
             ctx_lens = [c.start + 1 for c in plan.chunks]
             if self.graphs.fits(len(ctx_lens), max(ctx_lens)):
                 self._graph_ctx = ctx_lens
+        wanted = []
+        if prompt_rows:
+            wanted = [
+                (i, prompt_rows[c.seq_id])
+                for i, c in enumerate(plan.chunks)
+                if c.seq_id in prompt_rows
+            ]
         return AttentionMetadata.build(
             layout,
             self.kv_cache,
@@ -68,11 +77,13 @@ class ModelRunner:
             batch=self.batch,
             keys=[c.seq_id for c in plan.chunks],
             input_ids=input_ids,
+            prompt_rows=wanted,
         )
 
     def forward(self, metadata: AttentionMetadata) -> torch.Tensor:
         """One pass over the prepared chunks: float32 logits [S, vocab], one row per chunk that
-        samples, in chunk order. On CUDA it returns before the kernels finish."""
+        samples, in chunk order (then the prompt rows `prepare` was asked for). On CUDA it
+        returns before the kernels finish."""
         ctx_lens, self._graph_ctx = self._graph_ctx, None
         if ctx_lens is not None and self.graphs is not None:
             assert metadata.input_ids is not None and metadata.table_rows is not None

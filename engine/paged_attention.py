@@ -115,12 +115,14 @@ class AttentionMetadata:
         batch: InputBatch | None = None,
         keys: Sequence[Hashable] | None = None,
         input_ids: list[int] | None = None,
+        prompt_rows: Sequence[tuple[int, int]] = (),
     ) -> AttentionMetadata:
         """``seqs[i] = (start_position, num_new_tokens, block_table)`` in packing order; block
         ``block_table[j]`` holds positions ``[j * block_size, (j + 1) * block_size)``. ``sample[i]``
         (default all True) says whether sequence i's last token gets logits. `batch` keeps the
         block tables between steps, keyed by ``keys[i]`` (default: a fresh batch, keys 0..B-1);
-        `input_ids` [T] travel to the device in the same copy."""
+        `input_ids` [T] travel to the device in the same copy. `prompt_rows` (sequence i, k)
+        also wants logits for its first k new tokens (prompt log-probs), after the sampled rows."""
         bs = kv_cache.block_size
         if not seqs:
             raise ValueError("a step needs at least one sequence")
@@ -152,6 +154,9 @@ class AttentionMetadata:
         logits_idx = cu[1:] - 1
         if sample is not None:
             logits_idx = logits_idx[np.asarray(sample, dtype=bool)]
+        if prompt_rows:
+            wanted = [cu[i] + np.arange(k) for i, k in prompt_rows]
+            logits_idx = np.concatenate([logits_idx, *wanted])
 
         decodes = np.flatnonzero(len_a == 1)
         dec_ctx = start_a[decodes] + 1

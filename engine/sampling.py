@@ -39,6 +39,12 @@ def with_seed(params: SamplingParams) -> SamplingParams:
     return replace(params, seed=random.getrandbits(63))
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed (n > 1): a stream of its own, derived from the request's, so a
+    seeded request repeats all its choices (None stays None: each choice draws its own)."""
+    return None if seed is None else (seed + index * _GOLDEN) % _U64
+
+
 @dataclass(frozen=True, slots=True)
 class TokenHistory:
     """What a row's logit adjustments read: its prompt, its output so far, the tokens that

@@ -47,9 +47,40 @@ class LogprobsFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp for _, (lp, _) in entries],
-            "top_logprobs": [{self._text(i): v for i, v in top} for _, (_, top) in entries],
+            "top_logprobs": [self._top_dict(top) for _, (_, top) in entries],
             "text_offset": offsets,
         }
+
+    def prompt_part(
+        self, token_ids: list[int], logprobs: list[list[Any]] | None, text_len: int
+    ) -> dict[str, Any]:
+        """Completions' echo: the prompt's tokens, from the worker's prompt log-probs (one entry
+        per token after the first; the first has none, null as in OpenAI and vLLM). The
+        output's offsets then start after the echoed text (`text_len` characters)."""
+        entries: list[list[Any] | None] = [None, *(logprobs or [])]
+        entries += [None] * (len(token_ids) - len(entries))
+        tokens, offsets, offset = [], [], 0
+        for token_id in token_ids:
+            tokens.append(self._text(token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        self.text_offset = text_len
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[0] if e else None for e in entries[: len(token_ids)]],
+            "top_logprobs": [
+                self._top_dict(e[1]) if e else None for e in entries[: len(token_ids)]
+            ],
+            "text_offset": offsets,
+        }
+
+    def _top_dict(self, top: list[list[Any]]) -> dict[str, float]:
+        """Completions' alternatives by text. Ids that decode to the same text share a key,
+        which keeps the likeliest (`top` comes likeliest first)."""
+        found: dict[str, float] = {}
+        for token_id, logprob in top:
+            found.setdefault(self._text(token_id), logprob)
+        return found
 
     def _chat_entry(self, token_id: int, logprob: float, top: list[list[Any]]) -> dict[str, Any]:
         return {

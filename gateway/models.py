@@ -23,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from jinja2 import TemplateError
+from llguidance import LLTokenizer
 from redis.exceptions import RedisError
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
@@ -30,6 +31,7 @@ from transformers import PreTrainedTokenizerFast
 from gateway.errors import ApiError, bad_request, model_not_found
 from gateway.tasks import cancel_and_wait
 from protocol import HEARTBEAT_TTL_S, Keys, ModelCard
+from protocol import grammar as grammars
 from protocol.model_card import tokenizer_from_card
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,9 @@ class ServedModel:
     decoder: Tokenizer  # only on the event loop: the replies' text (protocol.detokenizer)
     digest: str  # of the card's encoded form: a changed card rebuilds the tokenizer
     read_at: float  # monotonic seconds
+    # llguidance's view of the tokenizer, to compile grammars against (None: it could not be
+    # built; grammars are then checked without it). Only on the tokenizer thread.
+    lltokenizer: LLTokenizer | None = None
 
     @property
     def name(self) -> str:
@@ -54,7 +59,19 @@ class ServedModel:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders a `tools` argument itself."""
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and "tools" in template
+
+    def grammar_error(self, grammar: str) -> str | None:
+        """Why `grammar` does not compile for this model (None: it does)."""
+        return grammars.validate(grammar, self.lltokenizer)
+
+    def chat_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if not self.tokenizer.chat_template:
             raise bad_request(
                 f"Model {self.name!r} has no chat template; use /v1/completions.",
@@ -62,7 +79,7 @@ class ServedModel:
             )
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except (TemplateError, ValueError, TypeError) as e:  # the template refused the chat
             # The template's own message ("roles must alternate"), never the messages themselves.
@@ -193,5 +210,14 @@ class ModelRegistry:
             log.warning("model card unusable model=%s error=%s", name, type(e).__name__)
             self._models.pop(name, None)
             return
-        self._models[name] = ServedModel(card, tokenizer, decoder, digest, time.monotonic())
+        try:
+            lltokenizer = await self.run(
+                grammars.make_tokenizer, card.tokenizer_json, len(tokenizer), card.eos_token_ids
+            )
+        except Exception as e:  # structured outputs are then checked without the vocabulary
+            log.warning("no llguidance tokenizer model=%s error=%s", name, type(e).__name__)
+            lltokenizer = None
+        self._models[name] = ServedModel(
+            card, tokenizer, decoder, digest, time.monotonic(), lltokenizer
+        )
         log.info("model card loaded model=%s max_model_len=%d", name, card.max_model_len)

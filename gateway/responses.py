@@ -53,29 +53,37 @@ class Responder:
             "choices": choices,
         }
 
-    def body(
+    def choice(
         self,
-        text: str,
+        index: int,
+        text: str | None,
         finish_reason: str,
-        usage_: dict[str, Any],
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        if self.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+        """One choice of a whole (non-streamed) body. Chat: `text` None is a null content (a
+        reply that is only tool calls)."""
+        if self.kind == "completion":
+            return {
+                "index": index,
+                "text": text or "",
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
-            out = self._envelope("chat.completion", [choice])
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            out = self._envelope("text_completion", [choice])
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+    def body(self, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
+        out = self._envelope(
+            "chat.completion" if self.kind == "chat" else "text_completion", choices
+        )
         out["usage"] = usage_
         return out
 
@@ -85,15 +93,21 @@ class Responder:
         finish_reason: str | None = None,
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """One stream chunk of choice `index`; chat: `tool_calls` are delta entries (index, and
+        id, type and function.name in a call's first one, then function.arguments)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text or role:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -101,7 +115,7 @@ class Responder:
             out = self._envelope("chat.completion.chunk", [choice])
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,

@@ -3,7 +3,8 @@
 Only the shape is checked here; what needs the model (token ids in the vocabulary, prompt +
 max_tokens within the context window) is checked in `gateway.generate` after tokenizing.
 Unknown fields are ignored (clients send many optional OpenAI fields); known fields we cannot
-honour (logprobs, tools, n > 1, ...) are refused rather than silently ignored.
+honour (suffix, best_of > n, ...) are refused rather than silently ignored. Structured outputs
+and tools have modules of their own (gateway.structured, gateway.tools).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.errors import bad_request
+from gateway.structured import Grammar, parse_grammar
+from gateway.tools import ToolConfig, parse_tools
 from protocol import SamplingParams
-from protocol.sampling import MAX_LOGPROBS
+from protocol.sampling import MAX_CHOICES, MAX_LOGPROBS
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
@@ -32,22 +35,27 @@ _INT64 = 2**63
 class CompletionRequest:
     model: str | None
     prompt: str | list[int]  # text, or token ids (checked against the vocabulary later)
-    max_tokens: int | None  # None: the route's default (gateway.generate resolves it)
+    max_tokens: int | None  # None: the route's default; 0 only with echo (the prompt alone)
     sampling: SamplingParams  # its max_tokens (and min_tokens) are set by gateway.generate
     stream: bool = False
     include_usage: bool = False
     min_tokens: int = 0  # checked against the resolved max_tokens in gateway.generate
+    grammar: Grammar | None = None  # compiled against the model's tokenizer in gateway.generate
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs)
 
 
 @dataclass(slots=True)
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, str]]  # role + content (text parts joined)
+    # role + content (text parts joined); tool results' tool_call_id, assistants' tool_calls
+    messages: list[dict[str, Any]]
     max_tokens: int | None  # None: the route's default (gateway.generate resolves it)
     sampling: SamplingParams  # its max_tokens (and min_tokens) are set by gateway.generate
     stream: bool = False
     include_usage: bool = False
     min_tokens: int = 0  # checked against the resolved max_tokens in gateway.generate
+    grammar: Grammar | None = None  # response_format / guided_*, or a forced tool call
+    tools: ToolConfig | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -74,16 +82,25 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     logprobs = body.get("logprobs")
     if logprobs is False:  # some clients send false for "none"
         logprobs = None
+    echo = _opt_bool(body, "echo")
+    sampling = _sampling(body)
+    best_of = _opt_int(body, "best_of")
+    if best_of is not None and best_of != sampling.n:  # best_of = n: every candidate returned
+        raise bad_request(
+            "'best_of' must equal 'n' (no candidates are ranked and dropped).", param="best_of"
+        )
     return CompletionRequest(
         model=_model(body),
         prompt=_prompt(body.get("prompt")),
-        max_tokens=_opt_int(body, "max_tokens", lo=1),
+        max_tokens=_opt_int(body, "max_tokens", lo=0 if echo else 1),
         sampling=replace(
-            _sampling(body), logprobs=_opt_int({"logprobs": logprobs}, "logprobs", 0, MAX_LOGPROBS)
+            sampling, logprobs=_opt_int({"logprobs": logprobs}, "logprobs", 0, MAX_LOGPROBS)
         ),
         stream=stream,
         include_usage=include_usage,
         min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
+        grammar=parse_grammar(body),
+        echo=echo,
     )
 
 
@@ -93,14 +110,29 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     max_tokens = _opt_int(body, "max_completion_tokens", lo=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", lo=1)
+    logprobs = _chat_logprobs(body)
+    tools = parse_tools(body)
+    grammar = parse_grammar(body)
+    if tools is not None and tools.offered:
+        if logprobs is not None:
+            raise bad_request("'logprobs' is not supported together with 'tools'.", "logprobs")
+        if (forced := tools.grammar()) is not None:
+            if grammar is not None:
+                raise bad_request(
+                    f"'{grammar.param}' cannot be combined with a forced tool call.",
+                    param=grammar.param,
+                )
+            grammar = forced
     return ChatRequest(
         model=_model(body),
         messages=_messages(body.get("messages")),
         max_tokens=max_tokens,
-        sampling=replace(_sampling(body), logprobs=_chat_logprobs(body)),
+        sampling=replace(_sampling(body), logprobs=logprobs),
         stream=stream,
         include_usage=include_usage,
         min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
+        grammar=grammar,
+        tools=tools,
     )
 
 
@@ -192,11 +224,9 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
     """Every sampling field but max_tokens, whose name and default depend on the route."""
-    n = _opt_int(body, "n")
-    if n is not None and n != 1:
-        raise bad_request("Only 'n': 1 is supported.", param="n")
     top_k = _opt_int(body, "top_k", lo=-1)
     return SamplingParams(
+        n=_opt_int(body, "n", 1, MAX_CHOICES) or 1,
         temperature=_opt_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_top_p(body),
         top_k=max(top_k or 0, 0),  # OpenAI-style clients send -1 for "off"; the wire uses 0
@@ -307,7 +337,7 @@ def _prompt(value: Any) -> str | list[int]:
     raise bad_request("'prompt' must be a string or a list of token ids.", param="prompt")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if value is None:
         raise bad_request("'messages' is required.", param="messages")
     if not isinstance(value, list) or not value:
@@ -315,7 +345,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
 
 
-def _message(value: Any, param: str) -> dict[str, str]:
+def _message(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise bad_request(f"'{param}' must be an object.", param=param)
     role = value.get("role")
@@ -324,6 +354,7 @@ def _message(value: Any, param: str) -> dict[str, str]:
             f"'{param}.role' must be one of {', '.join(sorted(ROLES))}.", param=f"{param}.role"
         )
     content = value.get("content")
+    calls = value.get("tool_calls") if role == "assistant" else None
     if content is None and role == "assistant":
         content = ""
     elif isinstance(content, list):
@@ -333,13 +364,39 @@ def _message(value: Any, param: str) -> dict[str, str]:
             f"'{param}.content' must be a string or a list of text parts.",
             param=f"{param}.content",
         )
-    message = {"role": role, "content": _unicode(content, f"{param}.content")}
-    name = value.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise bad_request(f"'{param}.name' must be a string.", param=f"{param}.name")
-        message["name"] = _unicode(name, f"{param}.name")
+    message: dict[str, Any] = {"role": role, "content": _unicode(content, f"{param}.content")}
+    for key in ("name", "tool_call_id") if role == "tool" else ("name",):
+        if (text := value.get(key)) is not None:
+            if not isinstance(text, str):
+                raise bad_request(f"'{param}.{key}' must be a string.", param=f"{param}.{key}")
+            message[key] = _unicode(text, f"{param}.{key}")
+    if calls is not None:
+        message["tool_calls"] = _tool_calls(calls, f"{param}.tool_calls")
     return message
+
+
+def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant's earlier calls, in OpenAI's shape (arguments: a JSON string)."""
+    if not isinstance(value, list):
+        raise bad_request(f"'{param}' must be a list of tool calls.", param=param)
+    calls = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        ok = isinstance(function, dict)
+        fields = [function.get(k) for k in ("name", "arguments")] if ok else [None]
+        call_id = call.get("id", "") if isinstance(call, dict) else None
+        if not isinstance(call_id, str) or not all(isinstance(f, str) for f in fields):
+            raise bad_request(
+                f"'{param}[{i}]' must be {{id, type: function, function: {{name, arguments}}}}"
+                " with string values.",
+                param=f"{param}[{i}]",
+            )
+        name, arguments = (_unicode(f, f"{param}[{i}].function") for f in fields)
+        function = {"name": name, "arguments": arguments}
+        calls.append(
+            {"id": _unicode(call_id, f"{param}[{i}].id"), "type": "function", "function": function}
+        )
+    return calls
 
 
 def _text_part(part: Any, param: str) -> str:
@@ -366,17 +423,9 @@ def _refuse_unsupported(body: dict[str, Any], table: dict[str, Check]) -> None:
             raise bad_request(f"'{name}' is not supported by this server.", param=name)
 
 
-_COMMON: dict[str, Check] = {
-    "best_of": _off(1),
-}
-_COMPLETION_UNSUPPORTED = {
-    **_COMMON,
-    "echo": _off(False),
+_COMPLETION_UNSUPPORTED: dict[str, Check] = {
     "suffix": _off(""),
 }
-_CHAT_UNSUPPORTED = {
-    **_COMMON,
-    "tools": _off([]),
-    "tool_choice": _off("none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
+_CHAT_UNSUPPORTED: dict[str, Check] = {
+    "best_of": _off(1),  # not an OpenAI chat field; vLLM's, for beam search
 }

@@ -139,26 +139,33 @@ class Gateway:
                     log.warning("heartbeat failed: %s", type(e).__name__)
                 failing = True
 
-    def cancel_later(self, request_id: str, reason: str = "client_gone") -> None:
+    def cancel_later(
+        self, request_id: str, reason: str = "client_gone", index: int | None = None
+    ) -> None:
         """Publish a cancel from a task of its own: the handler asking is usually being
-        cancelled itself (client disconnect) and cannot await anything any more."""
-        task = asyncio.create_task(self.publish_cancel(request_id, reason))
+        cancelled itself (client disconnect) and cannot await anything any more. `index`: one
+        choice of the request only."""
+        task = asyncio.create_task(self.publish_cancel(request_id, reason, index))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def publish_cancel(self, request_id: str, reason: str = "client_gone") -> None:
+    async def publish_cancel(
+        self, request_id: str, reason: str = "client_gone", index: int | None = None
+    ) -> None:
         # The flag lets a worker drop a still-queued entry before prefill; the stream tells
-        # workers already running it to stop within one step.
+        # workers already running it to stop within one step. One choice's cancel sets no flag:
+        # the flag drops the whole request.
         try:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.set(self.keys.cancelled(request_id), reason, ex=CANCEL_FLAG_TTL_S)
+            if index is None:
+                pipe.set(self.keys.cancelled(request_id), reason, ex=CANCEL_FLAG_TTL_S)
             pipe.xadd(
                 self.keys.cancels,
-                CancelMessage(request_id, reason).encode(),
+                CancelMessage(request_id, reason, index).encode(),
                 maxlen=CANCEL_STREAM_MAXLEN,
                 approximate=True,
             )
             await pipe.execute()
-            log.info("cancel published request_id=%s reason=%s", request_id, reason)
+            log.info("cancel published request_id=%s reason=%s index=%s", request_id, reason, index)
         except (RedisError, OSError) as e:
             log.warning("cancel not published request_id=%s: %s", request_id, type(e).__name__)

@@ -89,6 +89,12 @@ class ReplyMessage(Message):
     error_type: str | None = None  # OpenAI error type, e.g. invalid_request_error
     # Per token of token_ids, when the request asked: [log-prob, [[id, log-prob], ...]].
     logprobs: list[list[Any]] | None = None
+    # The choice (0 .. n-1) this reply belongs to. A normal final (stop, length) ends its choice
+    # only: the request is done when every choice has one. Any other final ends the request.
+    index: int = 0
+    # When the request asked (sampling.prompt_logprobs): in its first reply, one entry per prompt
+    # token after the first, [log-prob, [[id, log-prob], ...]] as for logprobs.
+    prompt_logprobs: list[list[Any]] | None = None
 
     @property
     def is_final(self) -> bool:
@@ -104,6 +110,7 @@ class CancelMessage(Message):
 
     request_id: str
     reason: str = "client_gone"  # or STOP_STRING: the gateway's detokenizer found a stop string
+    index: int | None = None  # one choice of an n > 1 request; None: the whole request
 
 
 @dataclass(slots=True)

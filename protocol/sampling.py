@@ -14,6 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 _SEED_RANGE = range(-(2**63), 2**64)  # what a signed or unsigned 64-bit seed can be
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+MAX_CHOICES = 16  # n: choices per request (each holds a batch slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,15 @@ class SamplingParams:
     # Log-probs of each sampled token plus this many alternatives (None: none). They come from
     # the logits after penalties and bias, before temperature and top-k/top-p (engine/sampling.py).
     logprobs: int | None = None
+    # Log-probs of each prompt token after the first (it has no context), plus this many
+    # alternatives (None: none); computed from the model's raw logits. The request's prompt is
+    # then computed in full (no prefix-cache hit), as its every position needs logits.
+    prompt_logprobs: int | None = None
+    # Choices generated for the one prompt: it is prefilled once and its KV blocks are shared.
+    n: int = 1
+    # An llguidance grammar (JSON, built by protocol.grammar) every output token must follow;
+    # the request finishes ("stop") once the grammar is complete.
+    grammar: str | None = None
     # False: the engine returns token ids only and leaves text and stop strings to the caller
     # (the gateway detokenizes what it serves, off the worker's step; vLLM has the same field).
     detokenize: bool = True
@@ -74,6 +84,14 @@ class SamplingParams:
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
+        if self.grammar is not None and not self.grammar:
+            raise ValueError("grammar must be non-empty when given")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 

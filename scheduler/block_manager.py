@@ -196,7 +196,7 @@ class KVBlockManager:
     def _lookup(self, seq: Sequence) -> list[int]:
         # Only a sequence with nothing computed can take hits (a fresh or preempted one), and at
         # least one token must remain to compute: the step that computes it yields the logits.
-        if seq.num_computed_tokens:
+        if seq.num_computed_tokens or not seq.uses_prefix_cache:
             return []
         max_hits = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -87,6 +87,9 @@ class Sequence:
     # (block size, chained hashes of the full prompt blocks): the block manager's prefix-cache
     # keys, cached here because a waiting prompt is looked up again every step.
     prompt_block_hashes: tuple[int, list[bytes]] | None = None
+    # False: never served from the prefix cache (every prompt position is computed, e.g. because
+    # the request wants each prompt token's log-prob); its blocks still serve other requests.
+    uses_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -49,6 +49,9 @@ def test_sampling_params_travel_as_a_dict_and_come_back_equal():
         stop=("a", "b"),
         stop_token_ids=(4,),
         ignore_eos=True,
+        n=3,
+        prompt_logprobs=2,
+        grammar='{"grammars": []}',
     )
     wire = json.loads(json.dumps(params.to_dict()))
     assert wire["stop"] == ["a", "b"] and isinstance(wire["temperature"], float)
@@ -77,6 +80,11 @@ def test_sampling_params_travel_as_a_dict_and_come_back_equal():
         ({"stop_token_ids": [1, -2]}, "stop_token_ids must be >= 0"),
         ({"stop_token_ids": [[1]]}, "stop_token_ids must be a list of integers"),
         ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
+        ({"n": 0}, "n must be in [1, 16]"),
+        ({"n": 17}, "n must be in [1, 16]"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20]"),
+        ({"grammar": ""}, "grammar must be non-empty"),
+        ({"grammar": 3}, "grammar must be a string or null"),
         ({"temprature": 1}, "unknown sampling field"),
         ([1, 2], "sampling must be an object"),
     ],

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -102,6 +103,8 @@ class Outbox:
 
     replies: list[tuple[str, ReplyMessage]] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)  # entries to XACK and XDEL
+    # (request id, seq) of finals that end one choice of an n > 1 request, not the request.
+    choice_finals: set[tuple[str, int]] = field(default_factory=set)
     # Reply streams of gateways that are gone: replies go only if the stream still exists.
     gone_streams: set[str] = field(default_factory=set)
 
@@ -122,7 +125,7 @@ class Orphan:
 class Claimed:
     entry: Entry
     deliveries: int  # including this claim
-    delivered: list[list[int]]  # token ids of each reply already published (the progress list)
+    delivered: list[Any]  # each reply already published, as its progress item (progress_item)
 
 
 @dataclass(slots=True)
@@ -132,6 +135,31 @@ class Roster:
     live_workers: set[str]
     consumers: dict[str, int]  # consumer -> pending entries
     gateways: dict[str, float]  # gateway id -> last heartbeat (unix seconds)
+
+
+def progress_item(reply: ReplyMessage) -> str:
+    """A reply's entry in its request's progress list: choice 0's tokens as a plain list (all
+    an n = 1 request has), other choices' as {"i": index, "t": tokens}, with "done" on a
+    choice's final."""
+    if reply.index == 0 and not reply.is_final:
+        return json.dumps(reply.token_ids)
+    return json.dumps({"i": reply.index, "t": reply.token_ids, "done": reply.is_final})
+
+
+def resumed_outputs(items: list[Any], n: int) -> list[int] | dict[int, list[int]]:
+    """What a takeover continues after, from a request's progress list: the delivered tokens
+    (n = 1), or each unfinished choice's (choices with a final are not run again)."""
+    tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+    for item in items:
+        if isinstance(item, list):
+            tokens[0] += item
+            continue
+        index = item["i"]
+        if index in tokens:
+            tokens[index] += item["t"]
+            if item["done"]:
+                del tokens[index]
+    return tokens[0] if n == 1 else tokens
 
 
 class WorkerRedis:
@@ -262,15 +290,18 @@ class WorkerRedis:
         args: list[str | int] = [WORKER_GROUP, REPLY_STREAM_MAXLEN, PROGRESS_TTL_S]
         for stream, reply in outbox.replies:
             fields = reply.encode()
+            ends_request = reply.is_final and (reply.request_id, reply.seq) not in (
+                outbox.choice_finals
+            )
             args += [
                 "R",
                 stream,
                 int(stream in outbox.gone_streams),
                 fields["v"],
                 fields["m"],
-                int(reply.is_final),
+                int(ends_request),
                 self.keys.progress(reply.request_id),
-                json.dumps(reply.token_ids),
+                progress_item(reply),
             ]
         for entry_id in outbox.acks:
             args += ["A", entry_id]

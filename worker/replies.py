@@ -43,6 +43,7 @@ class TrackedRequest:
     next_seq: int = 0  # a takeover continues the seq of the replies already published
     last_token_time: float | None = None
     last_chance: bool = False  # one more failure and it is dead-lettered
+    open_choices: int = 1  # choices (n) not finished yet: the request ends with the last one
 
 
 @dataclass(slots=True)
@@ -103,10 +104,16 @@ class ReplyBook:
         error: str | None = None,
         error_type: str | None = None,
     ) -> None:
-        """A request the engine ran reached its terminal state: final reply, XACK, metrics."""
-        request = self.tracked.pop(out.request_id)
-        self.unscheduled.discard(out.request_id)
+        """A choice of a request the engine ran reached its terminal state: its final reply;
+        with the request's last choice also the XACK and the request's metrics."""
+        request = self.tracked[out.request_id]
         reason = out.finish_reason or "abort"
+        request.open_choices -= 1
+        if request.open_choices > 0:  # the other choices go on: this final ends its own only
+            self.outbox.choice_finals.add((out.request_id, request.next_seq))
+        else:
+            del self.tracked[out.request_id]
+            self.unscheduled.discard(out.request_id)
         self._send_output(
             out,
             request,
@@ -117,6 +124,8 @@ class ReplyBook:
             error=error,
             error_type=error_type,
         )
+        if request.open_choices > 0:
+            return
         self.outbox.acks.append(request.entry_id)
         self.metrics.finished(reason, out.num_prompt_tokens, now - request.enqueue_time)
         logger.debug(
@@ -142,9 +151,17 @@ class ReplyBook:
 
     def _send_output(self, out: RequestOutput, request: TrackedRequest, **final: object) -> None:
         """One engine output as a reply: its tokens, text and log-probs (and `final` fields)."""
+        if out.prompt_logprobs is not None:
+            final["prompt_logprobs"] = wire_logprobs(out.prompt_logprobs)
         logprobs = wire_logprobs(out.logprobs)
         self._send(
-            out.request_id, request, out.new_token_ids, out.delta_text, logprobs=logprobs, **final
+            out.request_id,
+            request,
+            out.new_token_ids,
+            out.delta_text,
+            logprobs=logprobs,
+            index=out.index,
+            **final,
         )
 
     def _send(

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -39,7 +40,7 @@ from protocol import (
 )
 from worker.failpoints import Failpoints
 from worker.metrics import WorkerMetrics
-from worker.redis_io import Claimed, Entry, WorkerRedis
+from worker.redis_io import Claimed, Entry, WorkerRedis, resumed_outputs
 from worker.replies import ReplyBook, TrackedRequest, kv
 from worker.takeover import Takeover
 
@@ -287,9 +288,8 @@ class WorkerService:
         orphaned = [rid for rid, r in book.tracked.items() if r.gateway_id in s.dead_gateways]
         now = time.monotonic()
         for request_id in orphaned:  # nobody will read the replies: free the slot and KV now
-            out = self.engine.abort(request_id)
-            if out is not None:
-                book.outbox.gone_streams.add(book.tracked[request_id].reply_to)
+            book.outbox.gone_streams.add(book.tracked[request_id].reply_to)
+            for out in self.engine.abort(request_id):
                 book.finish(out, now, "the gateway holding this request is gone")
         self.metrics.handoff("gateway_gone", len(orphaned))
         if result.claimed:
@@ -306,8 +306,9 @@ class WorkerService:
                 logger.warning("bad_cancel %s", kv(entry=entry.entry_id, error=e))
                 continue
             request_id = cancel.request_id
-            out = self.engine.abort(request_id) if request_id in self.book.tracked else None
-            if out is not None:
+            if request_id not in self.book.tracked:
+                continue
+            for out in self.engine.abort(request_id, cancel.index):
                 if cancel.reason == STOP_STRING:  # the gateway found a stop string: a normal end
                     out.finish_reason = "stop"
                 self.book.finish(out, time.monotonic())
@@ -405,16 +406,11 @@ class WorkerService:
                 self.metrics.handoff("dead_lettered")
                 logger.error("dead_lettered %s", kv(request=msg.request_id, reason=reason))
             elif not self._dropped_before_start(msg, request):
-                delivered = [t for tokens in c.delivered for t in tokens]
-                self._start(msg, request, delivered)
+                self._start(msg, request, c.delivered)
                 self.metrics.handoff("taken_over")
                 logger.warning(
                     "taken_over %s",
-                    kv(
-                        request=msg.request_id,
-                        delivered_tokens=len(delivered),
-                        deliveries=c.deliveries,
-                    ),
+                    kv(request=msg.request_id, replies=len(c.delivered), deliveries=c.deliveries),
                 )
 
     def _decode(self, entry: Entry) -> RequestMessage:
@@ -431,17 +427,20 @@ class WorkerService:
         return msg
 
     def _start(
-        self, msg: RequestMessage, request: TrackedRequest, delivered: list[int] | None = None
+        self, msg: RequestMessage, request: TrackedRequest, delivered: list[Any] | None = None
     ) -> None:
+        """Hand a request to the engine; `delivered`: a takeover's progress list."""
         e = self.engine
         try:
             params = self._sampling_params(msg)
+            resumed = None if delivered is None else resumed_outputs(delivered, params.n)
             e.add_request(
-                msg.request_id, msg.prompt_token_ids, params, request.enqueue_time, delivered
+                msg.request_id, msg.prompt_token_ids, params, request.enqueue_time, resumed
             )
-        except (ValueError, TypeError) as err:  # too long, infeasible, bad fields
+        except (ValueError, TypeError, KeyError) as err:  # too long, infeasible, bad fields
             self.book.reject(msg.request_id, request, "error", str(err), INVALID_REQUEST)
             return
+        request.open_choices = len(resumed) if isinstance(resumed, dict) else params.n
         if delivered:
             request.last_token_time = time.monotonic()
         self.book.track(msg.request_id, request)

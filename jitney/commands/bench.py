@@ -5,11 +5,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.prom_report import add_report_arguments, run_report
 from bench.provenance import recorded_command
 from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
+
+if TYPE_CHECKING:
+    from bench.offline import StructuredRun
 
 DEFAULT_TRACE = "../shared/traces/mixed-64.json"
 
@@ -39,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="detokenize",
         action="store_false",
         help="token ids only, as a worker runs (the gateway makes the text): the served step",
+    )
+    off.add_argument(
+        "--response-format",
+        default=None,
+        metavar="FORMAT",
+        help="also run every policy with each request constrained (structured outputs): "
+        "json_object, json_schema:FILE (a JSON schema), or regex:PATTERN",
     )
     add_engine_arguments(off)
     _add_serve_arguments(sub)
@@ -154,6 +167,26 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def structured_run(spec: str) -> StructuredRun:
+    """--response-format's value as the grammar every request of the structured run gets."""
+    from bench.offline import OfflineBenchError, StructuredRun
+    from protocol import grammar
+
+    kind, _, arg = spec.partition(":")
+    try:
+        if kind == "json_object" and not arg:
+            return StructuredRun(kind, grammar.json_object())
+        if kind == "json_schema" and arg:
+            return StructuredRun(kind, grammar.json_schema(json.loads(Path(arg).read_text())))
+        if kind == "regex" and arg:
+            return StructuredRun(kind, grammar.regex(arg))
+    except (OSError, ValueError) as e:
+        raise OfflineBenchError(f"--response-format {spec}: {e}") from None
+    raise OfflineBenchError(
+        f"--response-format {spec!r}: expected json_object, json_schema:FILE or regex:PATTERN"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench == "report":
         return run_report(args)  # stdlib HTTP + matplotlib: no torch
@@ -184,8 +217,9 @@ def run(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()}"
     )
     try:
+        structured = structured_run(args.response_format) if args.response_format else None
         report = run_offline_bench(
-            config, requests, policies, baselines, load, say, args.detokenize
+            config, requests, policies, baselines, load, say, args.detokenize, structured
         )
     except OfflineBenchError as e:  # a trace for another model, an unknown baseline
         raise SystemExit(f"bench offline: {e}") from None

@@ -39,7 +39,9 @@ class BatchingPolicy(ABC):
         self.stats = SchedulerStats(num_total_blocks=kv.num_blocks)
 
     # ----- requests in and out -----------------------------------------------------------------
-    def add_request(self, seq: Sequence) -> None:
+    def add_request(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq` FIFO, or at the front (the further choices of a request whose prompt has
+        just been computed: admitted next, they find its blocks in the prefix cache)."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {seq.seq_id!r}")
         if self._blocks_needed_alone(seq) > self.kv.num_blocks:
@@ -50,7 +52,10 @@ class BatchingPolicy(ABC):
                 f"whole pool has {self.kv.num_blocks} blocks"
             )
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def abort(self, seq_id: str, now: float = 0.0) -> Sequence | None:
         """Stop a request wherever it is; its blocks are free when this returns."""

@@ -95,3 +95,20 @@ def test_the_served_step_gives_the_same_tokens_without_text(tiny_trace):
     ids_only = run_jitney(config, loaded, requests, detokenize=False)
     assert ids_only.outputs == with_text.outputs and sum(map(len, ids_only.outputs.values())) == 40
     assert (with_text.extra["detokenize"], ids_only.extra["detokenize"]) == (True, False)
+
+
+def test_response_format_runs_each_policy_again_constrained(tiny_trace, tmp_path, capsys):
+    """--response-format: a second run per policy with every request constrained; the report
+    compares it with the free run, and every constrained output follows the grammar."""
+    out = tmp_path / "report.json"
+    args = ["bench", "offline", "--model", "tiny-random", "--trace", str(tiny_trace)]
+    args += ["--baseline", "none", "--response-format", "regex:[a-z]{2,3}", "--output", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    runs = {r["name"]: r for r in report["results"]}
+    assert set(runs) == {"jitney-continuous", "jitney-continuous+regex"}
+    assert runs["jitney-continuous+regex"]["extra"]["ended_by_grammar"] == 5  # 3 < output_len
+    assert "jitney-continuous+regex: useful tokens/s = " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main([*args[:-4], "--response-format", "yaml", "--output", str(out)])
+    assert "expected json_object, json_schema:FILE or regex:PATTERN" in str(exc.value.code)

@@ -18,6 +18,16 @@ from engine.llm_engine import Engine
 from engine.model_loader import LoadedModel
 
 
+def chat(loaded: LoadedModel, text: str) -> list[int]:
+    """A one-message user turn in the model's chat template, ready for its reply."""
+    return loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+
+
 def make_engine(loaded: LoadedModel, **config: object) -> Engine:
     return Engine(EngineConfig(model=loaded.name, **config), loaded=loaded)  # type: ignore[arg-type]
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.decode_graphs import batch_buckets, width_bucket
 from engine.llm_engine import Engine
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import load_model
 from protocol.sampling import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine
 
@@ -67,11 +67,6 @@ def _engine(padded: bool, **config: object) -> Engine:
     if padded:
         engine.runner.enable_decode_graphs(12, engine.max_model_len, capture=False)
     return engine
-
-
-@pytest.fixture(scope="module")
-def ref() -> LoadedModel:
-    return load_model(MODEL)
 
 
 def test_padded_decode_steps_give_the_eager_tokens_under_joins_chunks_and_preemption(ref):

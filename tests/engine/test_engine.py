@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from engine.llm_engine import Engine, RequestTooLongError
-from engine.model_loader import load_model
 from protocol import SamplingParams
 from tests.engine.engine_helpers import (
     assert_greedy_parity,
@@ -15,17 +14,6 @@ from tests.engine.engine_helpers import (
     next_token_logprobs,
     reference_greedy,
 )
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model("tiny-random")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    """A second copy of the same weights, left on transformers' own attention."""
-    return load_model("tiny-random")
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -181,12 +169,12 @@ def test_abort_mid_generation_frees_every_block(loaded):
     for _ in range(5):
         engine.step()
     assert engine.block_manager.num_used_blocks > 0
-    out = engine.abort("a")
+    [out] = engine.abort("a")
     assert out.finished and out.finish_reason == "abort" and out.num_output_tokens == 5
     engine.abort("b")
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
     engine.block_manager.check_integrity()
-    assert engine.abort("a") is None
+    assert engine.abort("a") == []
 
 
 def test_stop_conditions(loaded):
@@ -248,7 +236,7 @@ def test_abort_under_static_batching_still_finishes_batch_mates(loaded):
     engine.add_request("long", list(range(5, 25)), greedy(40))
     engine.step()
     engine.step()
-    assert engine.abort("long").finish_reason == "abort"
+    assert [o.finish_reason for o in engine.abort("long")] == ["abort"]
     finals = [o for o in engine.step() if o.finished]
     assert [(o.request_id, o.finish_reason) for o in finals] == [("short", "length")]
     assert not engine.has_unfinished() and not engine.requests

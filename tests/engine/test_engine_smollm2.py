@@ -4,21 +4,17 @@ import pytest
 
 from engine.model_loader import load_model
 from protocol import SamplingParams
-from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
+from tests.engine.engine_helpers import (
+    assert_greedy_parity,
+    chat,
+    make_engine,
+    reference_greedy,
+)
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     return load_model("smollm2-135m")
-
-
-def chat(loaded, text: str) -> list[int]:
-    return loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
 
 
 def test_chat_prompt_gets_a_sensible_answer(smollm2):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from engine.input_batch import InputBatch
 from engine.model_loader import load_model
 from protocol import SamplingParams
@@ -54,11 +52,6 @@ def test_rows_unused_for_two_steps_are_recycled_else_the_table_grows() -> None:
     assert batch.block_table.shape[0] == 4
     rows = step(batch, {"e": [5], "f": [6, 7, 8]})  # now a's and b's rows are reused
     assert batch.block_table.shape[0] == 4 and set(rows.values()) == set(first.values())
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model("tiny-random")
 
 
 def test_engine_with_a_one_row_table_matches_generate(loaded) -> None:

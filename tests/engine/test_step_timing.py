@@ -5,15 +5,9 @@ import time
 
 import pytest
 
-from engine.model_loader import load_model
 from engine.step_timing import PHASES, StepTiming
 from protocol import SamplingParams
 from tests.engine.engine_helpers import make_engine
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model("tiny-random")
 
 
 def greedy(n: int) -> SamplingParams:

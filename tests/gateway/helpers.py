@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -58,12 +59,17 @@ def tokens(text: str) -> list[int]:
 
 
 def replies_for(
-    request: RequestMessage, pieces: list[str], finish: str = "stop"
+    request: RequestMessage,
+    pieces: list[str],
+    finish: str = "stop",
+    index: int = 0,
+    first_seq: int = 0,
 ) -> list[ReplyMessage]:
-    """A generation as a worker replies it: one reply per piece of text (its tokens), seq 0, 1,
-    ...; the last one final with the usage."""
+    """A generation as a worker replies it: one reply per piece of text (its tokens), seq
+    first_seq, first_seq + 1, ...; the last one final with the usage. `index`: the choice."""
     replies = [
-        ReplyMessage(request.request_id, seq, tokens(text)) for seq, text in enumerate(pieces)
+        ReplyMessage(request.request_id, seq, tokens(text), index=index)
+        for seq, text in enumerate(pieces, start=first_seq)
     ]
     last = replies[-1]
     last.finish_reason = finish
@@ -81,6 +87,11 @@ class FakeWorker:
     def __init__(self, io: WorkerRedis):
         self.io = io
         self.entries: dict[str, str] = {}  # request id -> its stream entry, acked when final
+        self.finals: dict[str, int] = {}  # request id -> final replies sent (one per choice)
+
+    @staticmethod
+    def n_of(request: RequestMessage) -> int:
+        return int(request.sampling.get("n", 1))
 
     @classmethod
     def connect(cls, url: str, worker_id: str = FAKE_WORKER_ID) -> FakeWorker:
@@ -101,12 +112,17 @@ class FakeWorker:
         return requests
 
     def send(self, request: RequestMessage, replies: list[ReplyMessage]) -> None:
-        """Publish replies as a worker does; a final one acks and deletes the request entry."""
+        """Publish replies as a worker does; the request's last final (every choice's normal
+        one, or any other) acks and deletes the request entry."""
         outbox = Outbox()
+        rid = request.request_id
         for reply in replies:
             outbox.replies.append((request.reply_to, reply))
             if reply.is_final:
-                outbox.acks.append(self.entries.pop(request.request_id))
+                self.finals[rid] = self.finals.get(rid, 0) + 1
+                normal = reply.finish_reason in ("stop", "length")
+                if rid in self.entries and (not normal or self.finals[rid] == self.n_of(request)):
+                    outbox.acks.append(self.entries.pop(rid))
         assert self.io.publish(outbox), f"{self.io.worker_id} is fenced"
 
     async def take(self, timeout_ms: int = 5000) -> RequestMessage:
@@ -138,6 +154,16 @@ class FakeWorker:
             request.request_id, 0, finish_reason=reason, error=error, error_type=error_type
         )
         await self.reply(request, final)
+
+
+def sse_events(raw: str) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final [DONE]."""
+    events = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
 
 
 def assert_openai_error(body: dict[str, Any], param: str | None = None) -> None:
@@ -285,5 +311,7 @@ class AnsweringWorker(KeepHeartbeat):
                 heartbeat(self.redis, self.worker_id)
                 beat_at = time.monotonic()
             for request in self.worker.read(64, 100):
-                self.worker.send(request, replies_for(request, ["ok"]))
+                n = request.sampling_params.n
+                replies = [replies_for(request, ["ok"], index=i, first_seq=i)[0] for i in range(n)]
+                self.worker.send(request, replies)
                 self.answered += 1

@@ -20,7 +20,14 @@ import pytest
 import redis
 
 from protocol import WORKER_GROUP, ModelCard, RequestMessage
-from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, heartbeat, publish_card
+from tests.gateway.helpers import (
+    KEYS,
+    FakeWorker,
+    MakeClient,
+    heartbeat,
+    publish_card,
+    replies_for,
+)
 from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
 
 REAL_MODEL = "tiny-random"
@@ -111,6 +118,13 @@ async def answer_three(fake: FakeWorker, request: RequestMessage) -> None:
     await fake.answer(request, ["a", "b", "c"], finish="length")
 
 
+async def answer_two_choices(fake: FakeWorker, request: RequestMessage) -> None:
+    """n=2: each choice its own replies (index), seq counting across them; the last final acks."""
+    first = replies_for(request, ["a", "b", "c"], finish="length", index=0)
+    second = replies_for(request, ["d", "e", "f"], finish="length", index=1, first_seq=3)
+    await fake.reply(request, *first, *second)
+
+
 async def expire(fake: FakeWorker, request: RequestMessage) -> None:
     await fake.reject(request, "expired", "deadline passed before start")
 
@@ -120,6 +134,7 @@ async def expire(fake: FakeWorker, request: RequestMessage) -> None:
 SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], Play]] = {
     "length": (LENGTH, {}, answer_three),
     "length-streamed": ({**LENGTH, **STREAM}, {}, answer_three),
+    "two-choices": ({**LENGTH, "n": 2}, {}, answer_two_choices),
     "expired": (LENGTH, {"request_timeout": 0.05}, expire),
     "expired-streamed": ({**LENGTH, **STREAM}, {"request_timeout": 0.05}, expire),
 }

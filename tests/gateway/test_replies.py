@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import pytest
@@ -20,21 +19,12 @@ from tests.gateway.helpers import (
     assert_openai_error,
     eventually,
     replies_for,
+    sse_events,
     tokens,
 )
 
 Client = TestClient[Any, Any]
 INVALID = "invalid_request_error"
-
-
-def sse_events(raw: str) -> list[Any]:
-    """The `data:` payloads of an SSE body, JSON-decoded except the final [DONE]."""
-    events = []
-    for block in raw.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: ") :]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 async def test_enqueued_chat_request_has_template_ids_and_sampling(

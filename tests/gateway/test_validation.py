@@ -49,8 +49,8 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, {"prompt": SECRET, "stop": [SECRET, ""]}, "stop"),
     (COMPLETIONS, {"prompt": SECRET, "stop_token_ids": [SECRET]}, "stop_token_ids"),
     (COMPLETIONS, {"prompt": SECRET, "ignore_eos": SECRET}, "ignore_eos"),
-    (COMPLETIONS, {"prompt": SECRET, "n": 2}, "n"),
-    (COMPLETIONS, {"prompt": SECRET, "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": SECRET, "n": 17}, "n"),  # over MAX_CHOICES
+    (COMPLETIONS, {"prompt": SECRET, "echo": SECRET}, "echo"),
     (COMPLETIONS, {"prompt": SECRET, "stream": SECRET}, "stream"),
     (COMPLETIONS, {"prompt": SECRET, "stream_options": {"include_usage": True}}, "stream_options"),
     (
@@ -71,7 +71,11 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (CHAT, {"messages": USER, "logprobs": 1}, "logprobs"),
     (COMPLETIONS, {"prompt": SECRET, "logprobs": 21}, "logprobs"),
     (COMPLETIONS, {"prompt": SECRET, "logprobs": True}, "logprobs"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function", "name": SECRET}]}, "tools"),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "name": SECRET}]},
+        "tools[0].function",
+    ),
     (CHAT, {"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
     # Added with the reliability audit:
     (COMPLETIONS, ('{"prompt": "' + SECRET + '"}').encode("utf-16"), None),  # UTF-16, not UTF-8
@@ -122,6 +126,28 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, {"prompt": SECRET, "min_tokens": -1}, "min_tokens"),
     (COMPLETIONS, {"prompt": SECRET, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     (CHAT, {"messages": USER, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    # Structured outputs, tools, echo, n (each refused before anything is queued):
+    (CHAT, {"messages": USER, "response_format": {"type": SECRET}}, "response_format.type"),
+    (CHAT, {"messages": USER, "guided_regex": "a(" + SECRET}, "guided_regex"),  # compiled
+    (CHAT, {"messages": USER, "guided_grammar": "start: " + SECRET}, "guided_grammar"),
+    (COMPLETIONS, {"prompt": SECRET, "guided_json": {"$ref": "#/" + SECRET}}, "guided_json"),
+    (COMPLETIONS, {"prompt": SECRET, "guided_json": {"x": "y" * 70_000}}, "guided_json"),
+    (CHAT, {"messages": USER, "structured_outputs": {SECRET: 1}}, "structured_outputs"),
+    (CHAT, {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": SECRET + " "}}]},
+        "tools[0].function.name",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "tool", "content": SECRET, "tool_call_id": 1}]},
+        "messages[0].tool_call_id",
+    ),
+    (COMPLETIONS, {"prompt": SECRET, "n": 2, "best_of": 3}, "best_of"),
+    (COMPLETIONS, {"prompt": SECRET, "n": 0}, "n"),
+    (COMPLETIONS, {"prompt": SECRET, "suffix": SECRET}, "suffix"),
+    (COMPLETIONS, {"prompt": SECRET, "max_tokens": 0, "echo": False}, "max_tokens"),
 ]
 
 

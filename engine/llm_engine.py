@@ -182,8 +182,12 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None = None,
         output_token_ids: list[int] | Mapping[int, list[int]] | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. Raises RequestTooLongError or InfeasibleRequestError (ValueErrors).
+
+        `priority`: vLLM's, lower is served first (every choice has it); under continuous
+        batching a more urgent request may preempt less urgent running ones to get in.
 
         `output_token_ids`: tokens another worker already generated and delivered (a takeover).
         The request continues after them: their K/V is recomputed, the detokenizer replays them
@@ -217,7 +221,7 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = [
-            self._choice(request_id, i, prompt_token_ids, params, arrival, tokens)
+            self._choice(request_id, i, prompt_token_ids, params, arrival, tokens, priority)
             for i, tokens in sorted(resumed.items())
         ]  # every choice is built (and checked) before any is queued
         fresh = not any(resumed.values())
@@ -243,6 +247,7 @@ class Engine:
         params: SamplingParams,
         arrival: float,
         resumed: list[int],
+        priority: int,
     ) -> _Request:
         """One choice's sequence and state (not queued yet)."""
         if index:
@@ -251,7 +256,9 @@ class Engine:
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         seq_id = request_id if index == 0 else f"{request_id}#{index}"
-        seq = Sequence.create(seq_id, prompt, params.max_tokens, arrival, sorted(stop_ids), resumed)
+        seq = Sequence.create(
+            seq_id, prompt, params.max_tokens, arrival, sorted(stop_ids), resumed, priority
+        )
         detok = None
         if params.detokenize:
             detok = IncrementalDetokenizer.create(self.loaded.tokenizer, prompt, params.stop)

@@ -31,6 +31,7 @@ class Client:
     key_id: str | None  # the API key's id; None when the gateway has no keys
     bucket: str  # the rate-limit bucket: the key id, or "ip:<address>" without keys
     limits: RateLimits
+    priority: int = 0  # its requests' priority when they name none
 
 
 CLIENT: web.RequestKey[Client] = web.RequestKey("jitney_client", Client)
@@ -91,7 +92,7 @@ def auth_middleware(config: GatewayConfig, metrics: GatewayMetrics) -> Middlewar
                 reason = "missing" if token is None else "invalid"
                 metrics.auth_failures.labels(reason).inc()
                 raise unauthorized(missing=token is None)
-            request[CLIENT] = Client(key.key_id, key.key_id, limits[key.key_id])
+            request[CLIENT] = Client(key.key_id, key.key_id, limits[key.key_id], key.priority)
         return await handler(request)
 
     return authenticate

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from protocol import redis_url
+from protocol import PRIORITIES, redis_url
 
 MiB = 1024 * 1024
 # aiohttp's parser limits, stated here so they are ours: a longer header line or request line,
@@ -58,6 +58,7 @@ class ApiKey:
     key: str = field(repr=False)
     # Per-key rate limits (rps, burst, tpm) over the gateway's --rate-limit-* defaults.
     overrides: tuple[tuple[str, float], ...] = ()
+    priority: int = 0  # the key's requests' priority when they name none (lower is first)
 
 
 def derived_key_id(key: str) -> str:
@@ -66,7 +67,8 @@ def derived_key_id(key: str) -> str:
 
 
 def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
-    """One key per entry: `KEY` or `ID:KEY`, then optional `rps=N burst=N tpm=N` overrides.
+    """One key per entry: `KEY` or `ID:KEY`, then optional `rps=N burst=N tpm=N` overrides and
+    a default `priority=N`.
 
     Blank entries and `#` comments are skipped. Errors name the entry's position, never its
     text (it holds a secret)."""
@@ -83,22 +85,32 @@ def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
             raise ValueError(f"{source} entry {n}: the id before ':' must match {KEY_ID.pattern}")
         if not key:
             raise ValueError(f"{source} entry {n}: empty key")
-        keys.append(ApiKey(key_id, key, _overrides(options, f"{source} entry {n}")))
+        where = f"{source} entry {n}"
+        values = _options(options, where)
+        priority = int(values.pop("priority", 0))
+        if priority not in PRIORITIES:
+            raise ValueError(f"{where}: priority must be in [{PRIORITIES[0]}, {PRIORITIES[-1]}]")
+        RateLimits(**values)  # type: ignore[arg-type]  # checks the values now, not per request
+        keys.append(ApiKey(key_id, key, tuple(values.items()), priority))
     return keys
 
 
-def _overrides(options: list[str], where: str) -> tuple[tuple[str, float], ...]:
+_OPTIONS = ("rps", "burst", "tpm", "priority")
+
+
+def _options(options: list[str], where: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for option in options:
         name, _, value = option.partition("=")
-        if name not in ("rps", "burst", "tpm") or name in values:
-            raise ValueError(f"{where}: options are rps=N, burst=N, tpm=N (each at most once)")
+        if name not in _OPTIONS or name in values:
+            raise ValueError(
+                f"{where}: options are rps=N, burst=N, tpm=N, priority=N (each at most once)"
+            )
         try:
             values[name] = float(value) if name == "rps" else int(value)
         except ValueError:
             raise ValueError(f"{where}: {name} must be a number") from None
-    RateLimits(**values)  # type: ignore[arg-type]  # checks the values now, not per request
-    return tuple(values.items())
+    return values
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,12 +18,15 @@ within a step or two).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import tools
+from gateway.auth import CLIENT
 from gateway.choices import Choice, Echo
 from gateway.errors import bad_request, redis_unavailable, shutting_down
 from gateway.logprobs import LogprobsFormatter
@@ -39,6 +42,7 @@ from protocol import STOP_STRING, RequestMessage, SamplingParams
 from protocol.detokenizer import IncrementalDetokenizer
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+T = TypeVar("T")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -63,6 +67,34 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
 async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamResponse:
     received = time.monotonic()
     body = parse_json(await request.read())  # over client_max_size: 413 via the middleware
+    job = await prepare(gw, kind, body)
+    await charge_tokens(request, job.cost)  # per-key tokens/min
+    stream = job.parsed.stream
+
+    async def deliver(relay: Relay) -> web.StreamResponse:
+        return await (relay.stream(request) if stream else relay.collect())
+
+    return await submit(gw, job, _priority(request, job.parsed), received, deliver)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request validated and tokenized: what is left is to admit and enqueue it."""
+
+    kind: Kind
+    parsed: CompletionRequest | ChatRequest
+    model: ServedModel
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+    @property
+    def cost(self) -> int:
+        """Tokens it may use: the prompt, and max_tokens for every choice."""
+        return len(self.prompt_ids) + self.sampling.n * self.sampling.max_tokens
+
+
+async def prepare(gw: Gateway, kind: Kind, body: dict[str, Any]) -> Job:
+    """Steps 1-3: parse, resolve the model, tokenize, check limits and the grammar (4xx)."""
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     model = await gw.registry.resolve(parsed.model)
     prompt_ids = await _prompt_ids(gw, model, parsed)
@@ -81,27 +113,39 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
         error = await gw.registry.run(model.grammar_error, parsed.grammar.text)
         if error is not None:
             raise compile_error(parsed.grammar, error)
-    sampling = _wire_sampling(parsed, max_tokens)
-    # per-key tokens/min: every choice may generate max_tokens
-    await charge_tokens(request, len(prompt_ids) + sampling.n * sampling.max_tokens)
+    return Job(kind, parsed, model, prompt_ids, _wire_sampling(parsed, max_tokens))
+
+
+async def submit(
+    gw: Gateway,
+    job: Job,
+    priority: int,
+    received: float,
+    deliver: Callable[[Relay], Awaitable[T]],
+    request_id: str = "",
+) -> T:
+    """Steps 4-6: admit (429), enqueue, then `deliver` the replies (HTTP body or stream, or a
+    batch line's body). Leaving before the final reply cancels the work."""
+    parsed, prompt_ids, sampling = job.parsed, job.prompt_ids, job.sampling
     await gw.backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
 
-    responder = Responder(kind, model.name, parsed.include_usage)
+    responder = Responder(job.kind, job.model.name, parsed.include_usage, id=request_id)
     now = time.time()
     timeout = gw.config.request_timeout
     message = RequestMessage(
         request_id=responder.request_id,
-        model=model.name,
+        model=job.model.name,
         prompt_token_ids=prompt_ids,
         sampling=sampling.to_dict(),
         reply_to=gw.reply_stream,
         gateway_id=gw.config.gateway_id,
         enqueue_time=now,
         deadline=None if timeout is None else now + timeout,
+        priority=priority,
     )
     in_flight = gw.router.register(responder.request_id, len(prompt_ids))
-    choices = _choices(model, parsed, prompt_ids, sampling, keep=not parsed.stream)
-    relay = Relay(gw, in_flight, model, responder, choices, len(prompt_ids), received)
+    choices = _choices(job.model, parsed, prompt_ids, sampling, keep=not parsed.stream)
+    relay = Relay(gw, in_flight, job.model, responder, choices, len(prompt_ids), received)
     enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
     try:
         try:
@@ -110,12 +154,20 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
             enqueued = False
             gw.backlog.release(len(prompt_ids))
             raise redis_unavailable() from None
-        return await (relay.stream(request) if parsed.stream else relay.collect())
+        return await deliver(relay)
     finally:
         gw.router.unregister(responder.request_id)
         if enqueued and not relay.finished:  # stop string, client gone, timeout: stop the work
             reason = STOP_STRING if relay.complete else "client_gone"
             gw.cancel_later(responder.request_id, reason)
+
+
+def _priority(request: web.Request, parsed: CompletionRequest | ChatRequest) -> int:
+    """The request's own priority, else its API key's default, else 0."""
+    if parsed.priority is not None:
+        return parsed.priority
+    client = request.get(CLIENT)
+    return 0 if client is None else client.priority
 
 
 def _wire_sampling(parsed: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:

@@ -18,7 +18,7 @@ from typing import Any
 from gateway.errors import bad_request
 from gateway.structured import Grammar, parse_grammar
 from gateway.tools import ToolConfig, parse_tools
-from protocol import SamplingParams
+from protocol import PRIORITIES, SamplingParams
 from protocol.sampling import MAX_CHOICES, MAX_LOGPROBS
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -42,6 +42,7 @@ class CompletionRequest:
     min_tokens: int = 0  # checked against the resolved max_tokens in gateway.generate
     grammar: Grammar | None = None  # compiled against the model's tokenizer in gateway.generate
     echo: bool = False  # the prompt comes back before the completion (with its logprobs)
+    priority: int | None = None  # None: the API key's default
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class ChatRequest:
     min_tokens: int = 0  # checked against the resolved max_tokens in gateway.generate
     grammar: Grammar | None = None  # response_format / guided_*, or a forced tool call
     tools: ToolConfig | None = None
+    priority: int | None = None  # None: the API key's default
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -101,6 +103,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
         grammar=parse_grammar(body),
         echo=echo,
+        priority=_priority(body),
     )
 
 
@@ -133,10 +136,16 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         min_tokens=_opt_int(body, "min_tokens", lo=0) or 0,
         grammar=grammar,
         tools=tools,
+        priority=_priority(body),
     )
 
 
 # --- fields -------------------------------------------------------------------------------------
+
+
+def _priority(body: dict[str, Any]) -> int | None:
+    """vLLM's `priority`: lower is served first; the Batch API's lines run below every range."""
+    return _opt_int(body, "priority", PRIORITIES[0], PRIORITIES[-1] - 1)
 
 
 def _is_int(value: Any) -> bool:

@@ -13,6 +13,10 @@ from typing import Any, ClassVar, TypeVar
 from protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
+# A request's priority: an integer, lower is served first (as vLLM defines it); 0 by default.
+# Batch API lines run at the least urgent, BATCH_PRIORITY.
+PRIORITIES = range(-100, 101)
+BATCH_PRIORITY = PRIORITIES[-1]
 
 
 class ProtocolError(ValueError):
@@ -63,6 +67,8 @@ class RequestMessage(Message):
     gateway_id: str
     enqueue_time: float  # unix seconds, stamped by the gateway just before XADD
     deadline: float | None = None  # unix seconds; dropped as "expired" if not started by then
+    # Lower is served first (vLLM's convention): admitted first, preempted last. PRIORITIES.
+    priority: int = 0
 
     @property
     def sampling_params(self) -> SamplingParams:

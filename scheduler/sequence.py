@@ -18,7 +18,8 @@ class SequenceStatus(enum.IntEnum):
 
     WAITING = 0
     RUNNING = 1
-    # Back in the waiting queue (at its front) with its KV blocks freed; recomputed on readmission.
+    # Back in the waiting queue (at the front of its priority level) with its KV blocks freed;
+    # recomputed on readmission.
     PREEMPTED = 2
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
@@ -75,6 +76,8 @@ class Sequence:
     limits: SamplingLimits
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
+    # vLLM's request priority: lower is served first (admitted first, preempted last).
+    priority: int = 0
     # Tokens [0, num_computed_tokens) have their K/V in the cache.
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -104,6 +107,7 @@ class Sequence:
         arrival_time: float = 0.0,
         stop_token_ids: SequenceABC[int] = (),
         output_token_ids: SequenceABC[int] = (),
+        priority: int = 0,
     ) -> Sequence:
         """`output_token_ids`: tokens already generated elsewhere (a request taken over from a
         dead worker); like a preempted sequence, its K/V is recomputed before it samples again."""
@@ -111,7 +115,8 @@ class Sequence:
         if len(output_token_ids) >= max_tokens:
             n = len(output_token_ids)
             raise ValueError(f"{seq_id!r}: {n} output tokens already, max_tokens {max_tokens}")
-        return cls(seq_id, list(prompt_token_ids), limits, arrival_time, list(output_token_ids))
+        output = list(output_token_ids)
+        return cls(seq_id, list(prompt_token_ids), limits, arrival_time, output, priority)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,6 +35,7 @@ class SimRequest:
     arrival_step: int
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    priority: int = 0  # lower is served first
 
 
 @dataclass(slots=True)
@@ -100,13 +101,15 @@ def seed_scenario() -> list[SimRequest]:
 def load_trace(
     path: str | Path, step_seconds: float, all_at_once: bool = False
 ) -> list[SimRequest]:
-    """Read a trace (shared/traces format); arrival seconds become steps of `step_seconds`."""
+    """Read a trace (shared/traces format); arrival seconds become steps of `step_seconds`.
+    A request may carry a `priority` (lower is served first; 0 when absent)."""
     data = json.loads(Path(path).read_text())
     requests = []
     for r in data["requests"]:
         prompt = r.get("prompt_ids") or list(range(1, int(r["prompt_len"]) + 1))
         arrival = 0 if all_at_once else int(float(r["arrival_s"]) / step_seconds)
-        requests.append(SimRequest(str(r["id"]), arrival, tuple(prompt), int(r["output_len"])))
+        output_len, priority = int(r["output_len"]), int(r.get("priority", 0))
+        requests.append(SimRequest(str(r["id"]), arrival, tuple(prompt), output_len, priority))
     return requests
 
 
@@ -146,7 +149,13 @@ def simulate(
             step = pending[0].arrival_step  # nothing to do until the next arrival
         while pending and pending[0].arrival_step <= step:
             r = pending.pop(0)
-            seq = Sequence.create(r.request_id, r.prompt_token_ids, r.output_len, r.arrival_step)
+            seq = Sequence.create(
+                r.request_id,
+                r.prompt_token_ids,
+                r.output_len,
+                r.arrival_step,
+                priority=r.priority,
+            )
             try:
                 policy.add_request(seq)
             except InfeasibleRequestError as e:

@@ -31,6 +31,7 @@ import redis
 from engine.llm_engine import Engine
 from protocol import (
     HEARTBEAT_INTERVAL_S,
+    PRIORITIES,
     STOP_STRING,
     CancelMessage,
     ModelCard,
@@ -434,8 +435,15 @@ class WorkerService:
         try:
             params = self._sampling_params(msg)
             resumed = None if delivered is None else resumed_outputs(delivered, params.n)
+            if msg.priority not in PRIORITIES:
+                raise ValueError(f"priority must be in [{PRIORITIES[0]}, {PRIORITIES[-1]}]")
             e.add_request(
-                msg.request_id, msg.prompt_token_ids, params, request.enqueue_time, resumed
+                msg.request_id,
+                msg.prompt_token_ids,
+                params,
+                request.enqueue_time,
+                resumed,
+                priority=msg.priority,
             )
         except (ValueError, TypeError, KeyError) as err:  # too long, infeasible, bad fields
             self.book.reject(msg.request_id, request, "error", str(err), INVALID_REQUEST)

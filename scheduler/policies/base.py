@@ -12,13 +12,13 @@ Step contract (the engine and the simulator drive every policy alike):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Collection, Mapping
 
 from scheduler.block_manager import KVBlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.plan import ScheduledChunk, SchedulerStats, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.waiting_queue import WaitingQueue
 
 
 class InfeasibleRequestError(ValueError):
@@ -31,8 +31,9 @@ class BatchingPolicy(ABC):
     def __init__(self, config: SchedulerConfig, kv: KVBlockManager):
         self.config = config
         self.kv = kv
-        # Waiting (and preempted, at the front) in admission order.
-        self.waiting: deque[Sequence] = deque()
+        # Waiting (and preempted, at the front of their priority) in admission order: by
+        # priority (lower first), FIFO within one.
+        self.waiting = WaitingQueue()
         # Admission order: running[-1] is the most recently admitted.
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -40,8 +41,9 @@ class BatchingPolicy(ABC):
 
     # ----- requests in and out -----------------------------------------------------------------
     def add_request(self, seq: Sequence, front: bool = False) -> None:
-        """Queue `seq` FIFO, or at the front (the further choices of a request whose prompt has
-        just been computed: admitted next, they find its blocks in the prefix cache)."""
+        """Queue `seq` FIFO within its priority, or at the front of it (the further choices of a
+        request whose prompt has just been computed: admitted next, they find its blocks in the
+        prefix cache)."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {seq.seq_id!r}")
         if self._blocks_needed_alone(seq) > self.kv.num_blocks:
@@ -151,7 +153,7 @@ class BatchingPolicy(ABC):
     def _try_admit_head(self, token_budget: int, plan: StepPlan) -> int | None:
         """Move the head of waiting into running with its first chunk, if the KV allows.
         Returns the tokens scheduled for it (0 when the budget is spent), None if it did not fit."""
-        seq = self.waiting[0]
+        seq = self.waiting.peek()
         num_new = min(seq.num_tokens - self.kv.num_cached_tokens(seq), token_budget)
         if not self.kv.allocate_slots(seq, num_new, self._reserve_tokens(seq)):
             return None

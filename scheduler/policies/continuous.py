@@ -1,12 +1,20 @@
 """Continuous (iteration-level) batching, as in Orca and vLLM: every step is a new decision.
 
+Priority is vLLM's: an integer per request, lower is more urgent. With one priority everywhere
+this is plain FIFO continuous batching.
+
 One step:
 1. Running sequences, oldest first, each get their next tokens (a decode: 1; a prefill in
-   progress: the next chunk) within the token budget. If one cannot get a KV block, the newest
-   running sequence is preempted (recompute) until it can, or until it was the victim itself.
-2. Only if nobody was preempted: waiting sequences are admitted in FIFO order while a slot, token
-   budget and KV blocks allow. A long prompt takes `min(budget left, prompt left)` tokens and
-   finishes its prefill in later steps, sharing them with decodes (chunked prefill).
+   progress: the next chunk) within the token budget. If one cannot get a KV block, the least
+   urgent running sequence (newest among equals) is preempted (recompute) until it can, or
+   until it was the victim itself (then only more urgent sequences after it still grow).
+2. Only if nobody was preempted: waiting sequences are admitted in queue order (by priority,
+   FIFO within one) while a slot, token budget and KV blocks allow. A head that finds the slots
+   full or the blocks short preempts running sequences strictly less urgent than itself (least
+   urgent first) until it fits; never for one of equal or lower urgency, and never in
+   reservation mode (which promises no preemption); a victim is not readmitted in the step that
+   evicted it. A long prompt takes `min(budget left, prompt left)` tokens and finishes its
+   prefill in later steps, sharing them with decodes (chunked prefill).
 Finished sequences leave the batch in the update of the step that finished them.
 """
 
@@ -14,6 +22,8 @@ from __future__ import annotations
 
 import logging
 
+from scheduler.block_manager import KVBlockManager
+from scheduler.config import SchedulerConfig
 from scheduler.plan import StepLimit, StepPlan
 from scheduler.policies.base import BatchingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
@@ -24,9 +34,26 @@ logger = logging.getLogger("jitney.scheduler")
 class ContinuousBatching(BatchingPolicy):
     name = "continuous"
 
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager):
+        super().__init__(config, kv)
+        # The least urgent priority ever queued: a waiting head at least this high has nobody
+        # to preempt, which spares a full batch with one priority a scan of `running` per step.
+        self._least_urgent = float("-inf")
+
+    def add_request(self, seq: Sequence, front: bool = False) -> None:
+        super().add_request(seq, front)
+        self._least_urgent = max(self._least_urgent, seq.priority)
+
     def _plan_step(self, plan: StepPlan, now: float) -> None:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}  # seq_id -> tokens, to refund a victim scheduled earlier
+        budget = self._grow_running(plan, self.config.max_num_batched_tokens)
+        if plan.preempted_seq_ids:
+            plan.limit = StepLimit.KV
+            return  # do not admit new work in a step that had to evict running work
+        self._admit_waiting(plan, budget)
+
+    def _grow_running(self, plan: StepPlan, budget: int) -> int:
+        """Schedule every running sequence's next tokens, preempting under KV pressure.
+        Returns the token budget left."""
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -40,25 +67,21 @@ class ContinuousBatching(BatchingPolicy):
             while not self.kv.allocate_slots(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
-                    i -= 1  # an earlier (capped-over) victim shifts `seq` left
-                budget += scheduled.pop(victim.seq_id, 0)
-                self._preempt(victim, plan)
+                    i -= 1  # an earlier victim (less urgent, or capped over) shifts `seq` left
+                budget += self._preempt(victim, plan)
                 if victim is seq:
                     break
             else:
                 self._add_chunk(plan, seq, num_new)
-                scheduled[seq.seq_id] = num_new
                 budget -= num_new
                 i += 1
                 continue
-            # `seq` itself was preempted: nobody after it is left in running.
-            plan.limit = StepLimit.KV
-            break
-
-        if plan.preempted_seq_ids:
-            plan.limit = StepLimit.KV
-            return  # do not admit new work in a step that had to evict running work
-        self._admit_waiting(plan, budget)
+            # `seq` itself was the victim; only more urgent sequences after it may still grow
+            # (with one priority, nobody after it is left but capped ones: stop, as always).
+            if not any(s.priority < seq.priority for s in self.running[i:]):
+                plan.limit = StepLimit.KV
+                break
+        return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting and len(self.running) >= self.config.max_num_seqs:
@@ -67,29 +90,57 @@ class ContinuousBatching(BatchingPolicy):
             plan.limit = StepLimit.SEQS
             return
         while self.waiting:
-            if len(self.running) >= self.config.max_num_seqs:
-                plan.limit = StepLimit.SEQS
+            head = self.waiting.peek()
+            if head.seq_id in plan.preempted_seq_ids:
+                plan.limit = StepLimit.KV  # evicted for a more urgent one: readmitting it thrashes
                 return
+            if len(self.running) >= self.config.max_num_seqs:
+                refund = self._preempt_for(head, plan)
+                if refund is None:
+                    plan.limit = StepLimit.SEQS
+                    return
+                budget += refund
+                continue
             if budget == 0:
                 plan.limit = StepLimit.TOKENS
                 return
-            # Strict FIFO: a head that does not fit blocks those behind it (no starvation).
+            # Strict queue order: a head that does not fit blocks those behind it (no starvation
+            # within a priority).
             num_new = self._try_admit_head(budget, plan)
             if num_new is None:
-                plan.limit = StepLimit.KV
-                return
+                refund = self._preempt_for(head, plan)
+                if refund is None:
+                    plan.limit = StepLimit.KV
+                    return
+                budget += refund
+                continue
             budget -= num_new
 
-    def _pick_victim(self) -> Sequence:
-        """The newest running sequence, skipping those already preempted too often."""
-        cap = self.config.max_preemptions_per_seq
-        for seq in reversed(self.running):
-            if seq.num_preemptions < cap:
-                return seq
-        return self.running[-1]
+    def _preempt_for(self, head: Sequence, plan: StepPlan) -> int | None:
+        """Preempt one running sequence strictly less urgent than `head` to make room for it.
+        Returns the tokens the victim gives back to the step's budget; None if there is none
+        (or in reservation mode, which promises never to preempt)."""
+        if (
+            self.config.reserve_full_length
+            or head.priority >= self._least_urgent
+            or not self.running
+        ):
+            return None
+        victim = self._pick_victim()
+        return self._preempt(victim, plan) if victim.priority > head.priority else None
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _pick_victim(self) -> Sequence:
+        """The least urgent running sequence (the highest priority value), the newest among
+        equals, skipping those already preempted too often while their level has others."""
+        least = max(seq.priority for seq in self.running)
+        cap = self.config.max_preemptions_per_seq
+        level = [seq for seq in reversed(self.running) if seq.priority == least]
+        return next((seq for seq in level if seq.num_preemptions < cap), level[0])
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> int:
+        """Evict `seq` (recompute later); returns the tokens it had scheduled in `plan`."""
         self.running.remove(seq)
+        refund = sum(c.num_tokens for c in plan.chunks if c.seq_id == seq.seq_id)
         plan.chunks = [c for c in plan.chunks if c.seq_id != seq.seq_id]
         self.kv.free(seq)
         seq.set_status(SequenceStatus.PREEMPTED)
@@ -99,7 +150,12 @@ class ContinuousBatching(BatchingPolicy):
         self.stats.num_preempted_tokens_total += lost
         # Which request paid, and how much: users cannot otherwise tell why one request was slow.
         logger.info(
-            "preempted request=%s lost_tokens=%d times=%d", seq.seq_id, lost, seq.num_preemptions
+            "preempted request=%s priority=%d lost_tokens=%d times=%d",
+            seq.seq_id,
+            seq.priority,
+            lost,
+            seq.num_preemptions,
         )
         self.waiting.appendleft(seq)
         plan.preempted_seq_ids.append(seq.seq_id)
+        return refund

@@ -8,7 +8,8 @@ result is returned. The two policies differ only in when a batch launches:
 - dynamic (Triton's dynamic batcher): also when the oldest waiting request has waited
   `max_queue_delay`.
 A batch reserves prompt + max_tokens of KV per member at launch, so it can never be preempted;
-when the pool cannot hold a full batch, the batch is the FIFO prefix that fits.
+when the pool cannot hold a full batch, the batch is the prefix of the waiting queue that fits
+(most urgent priority first, FIFO within one).
 """
 
 from __future__ import annotations
@@ -98,7 +99,5 @@ class DynamicBatching(StaticBatching):
     name = "dynamic"
 
     def _should_launch(self, now: float) -> bool:
-        oldest = self.waiting[0]
-        return (
-            super()._should_launch(now) or now - oldest.arrival_time >= self.config.max_queue_delay
-        )
+        waited = now - self.waiting.oldest_arrival()
+        return super()._should_launch(now) or waited >= self.config.max_queue_delay

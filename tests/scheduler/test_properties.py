@@ -12,8 +12,9 @@ PROFILE = settings(max_examples=150, deadline=None, suppress_health_check=[Healt
 
 
 @st.composite
-def traces(draw: st.DrawFn) -> list[SimRequest]:
-    """Requests with shared prompt prefixes (to exercise the prefix cache) and ties in arrival."""
+def traces(draw: st.DrawFn, priorities: bool = False) -> list[SimRequest]:
+    """Requests with shared prompt prefixes (to exercise the prefix cache) and ties in arrival;
+    with `priorities`, each request has one of three."""
     prefixes = draw(st.lists(st.lists(st.integers(1, 50), max_size=12), min_size=1, max_size=3))
     requests = []
     for i in range(draw(st.integers(1, 14))):
@@ -25,14 +26,17 @@ def traces(draw: st.DrawFn) -> list[SimRequest]:
                 arrival_step=draw(st.integers(0, 40)),
                 prompt_token_ids=tuple(prefix + suffix),
                 output_len=draw(st.integers(1, 30)),
+                priority=draw(st.integers(0, 2)) if priorities else 0,
             )
         )
     return requests
 
 
 @st.composite
-def setups(draw: st.DrawFn) -> tuple[list[SimRequest], SchedulerConfig, int, int]:
-    trace = draw(traces())
+def setups(
+    draw: st.DrawFn, priorities: bool = False
+) -> tuple[list[SimRequest], SchedulerConfig, int, int]:
+    trace = draw(traces(priorities))
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     largest = max(-(-(len(r.prompt_token_ids) + r.output_len - 1) // block_size) for r in trace)
     num_blocks = draw(st.integers(largest, 3 * largest + 4))
@@ -132,4 +136,48 @@ def test_preempted_sequences_resume_and_finish(setup):
 
     simulate(trace, "continuous", config, largest, block_size, True, observer=observe)
     assert preempted <= set(checker.released)
+    assert all(checker.outputs[r.request_id] == r.output_len for r in trace)
+
+
+@PROFILE
+@given(setup=setups(priorities=True), policy=st.sampled_from(sorted(POLICIES)))
+def test_with_priorities_nobody_is_overtaken_by_a_less_urgent_later_request(setup, policy):
+    """Random priorities: every request still finishes once with its length, and one that came
+    no later and is at least as urgent as another is first scheduled no later than it (with one
+    priority this is FIFO admission)."""
+    trace, config, num_blocks, block_size = setup
+    checker = InvariantChecker(config)
+    simulate(trace, policy, config, num_blocks, block_size, check_integrity=True, observer=checker)
+    assert checker.released == Counter({r.request_id: 1 for r in trace})
+    assert checker.outputs == {r.request_id: r.output_len for r in trace}
+    order = sorted(trace, key=lambda r: r.arrival_step)  # stable: ties keep submission order
+    first = checker.first_scheduled
+    for i, a in enumerate(order):
+        for b in order[i + 1 :]:
+            if a.priority <= b.priority:
+                assert first[a.request_id] <= first[b.request_id], (a, b)
+
+
+@PROFILE
+@given(setup=setups(priorities=True))
+def test_with_priorities_no_survivor_is_less_urgent_than_a_victim(setup):
+    """Under a tight pool with random priorities, whatever keeps running after a step is at least
+    as urgent as everything that step preempted; the preempted still finish."""
+    trace, config, _, block_size = setup
+    config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_preemptions_per_seq=config.max_preemptions_per_seq,
+    )
+    largest = max(-(-(len(r.prompt_token_ids) + r.output_len - 1) // block_size) for r in trace)
+    priority = {r.request_id: r.priority for r in trace}
+    checker = InvariantChecker(config)
+
+    def observe(step, plan, released, policy):  # type: ignore[no-untyped-def]
+        if plan.preempted_seq_ids and policy.running:
+            most_urgent_victim = min(priority[i] for i in plan.preempted_seq_ids)
+            assert max(s.priority for s in policy.running) <= most_urgent_victim
+        checker(step, plan, released, policy)
+
+    simulate(trace, "continuous", config, largest, block_size, True, observer=observe)
     assert all(checker.outputs[r.request_id] == r.output_len for r in trace)

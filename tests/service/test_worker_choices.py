@@ -26,9 +26,9 @@ MODEL = "tiny-random"
 PROMPT = list(range(5, 30))
 
 
-def send(r: redis.Redis, request_id: str, params: SamplingParams) -> None:
+def send(r: redis.Redis, request_id: str, params: SamplingParams, priority: int = 0) -> None:
     msg = RequestMessage(
-        request_id, MODEL, PROMPT, params.to_dict(), REPLIES, "test-gw", time.time()
+        request_id, MODEL, PROMPT, params.to_dict(), REPLIES, "test-gw", time.time(), None, priority
     )
     r.xadd(KEYS.requests, msg.encode())
 
@@ -140,6 +140,16 @@ def test_a_grammar_that_does_not_compile_is_an_error_reply(server, worker):
     final = replies.wait("bad-grammar")["bad-grammar"]
     assert final.finish_reason == "error" and "grammar" in (final.error or "")
     assert final.error_type == "invalid_request_error"
+
+
+def test_a_priority_outside_the_range_is_an_error_reply(server, worker):
+    r = server.client()
+    replies = Replies(r)
+    send(r, "too-urgent", SamplingParams(max_tokens=2), priority=-500)
+    final = replies.wait("too-urgent")["too-urgent"]
+    assert final.finish_reason == "error" and "priority must be in" in (final.error or "")
+    send(r, "urgent", SamplingParams(max_tokens=2), priority=-100)
+    assert replies.wait("urgent")["urgent"].finish_reason == "length"
 
 
 @pytest.mark.slow

@@ -1,0 +1,58 @@
+"""`priority` (vLLM's: lower is served first) reaches the worker on the request message: the
+body's own, else the API key's default (`priority=N` in the keys file), else 0."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from gateway.config import parse_api_keys
+from protocol import BATCH_PRIORITY
+from tests.gateway.helpers import FakeWorker, MakeClient, assert_openai_error, replies_for
+
+Client = TestClient[Any, Any]
+BODY = {"prompt": "hi", "max_tokens": 2}
+
+
+async def enqueued_priority(
+    client: Client, fake_worker: FakeWorker, body: dict, headers: dict | None = None
+) -> int:
+    call = asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
+    request = await fake_worker.take()
+    await fake_worker.reply(request, *replies_for(request, ["ok"]))
+    assert (await call).status == 200
+    return request.priority
+
+
+async def test_the_body_s_priority_or_0(client: Client, fake_worker: FakeWorker) -> None:
+    assert await enqueued_priority(client, fake_worker, {**BODY, "priority": -3}) == -3
+    assert await enqueued_priority(client, fake_worker, BODY) == 0
+
+
+@pytest.mark.parametrize("value", [-101, BATCH_PRIORITY, 1.5, "high", True])
+async def test_a_priority_out_of_range_is_a_400(client: Client, value: Any) -> None:
+    resp = await client.post("/v1/completions", json={**BODY, "priority": value})
+    assert resp.status == 400
+    assert_openai_error(await resp.json(), param="priority")
+
+
+async def test_an_api_key_s_default_priority(
+    served: Any, make_client: MakeClient, fake_worker: FakeWorker
+) -> None:
+    keys = parse_api_keys(["batchy:k1 priority=7", "vip:k2"], "test")
+    client = await make_client(api_keys=tuple(keys))
+    batchy = {"Authorization": "Bearer k1"}
+    assert await enqueued_priority(client, fake_worker, BODY, batchy) == 7
+    assert await enqueued_priority(client, fake_worker, {**BODY, "priority": 1}, batchy) == 1
+    vip = {"Authorization": "Bearer k2"}
+    assert await enqueued_priority(client, fake_worker, BODY, vip) == 0
+
+
+def test_a_key_s_priority_is_checked_when_the_keys_are_read() -> None:
+    with pytest.raises(ValueError, match=r"priority must be in \[-100, 100\]"):
+        parse_api_keys(["k priority=500"], "test")
+    with pytest.raises(ValueError, match="options are rps=N, burst=N, tpm=N, priority=N"):
+        parse_api_keys(["k urgency=1"], "test")

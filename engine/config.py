@@ -33,6 +33,7 @@ class EngineConfig:
     # CUDA graphs for decode-only steps (engine/decode_graphs.py); True: every step eager.
     enforce_eager: bool = False
     cache_dir: str | None = None
+    noop_step_ms: float = 0.0  # --model noop only: what its fake forward sleeps per step
 
     def __post_init__(self) -> None:
         if self.batching not in POLICIES:
@@ -45,6 +46,8 @@ class EngineConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.noop_step_ms < 0:
+            raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.scheduler_config()  # validates the scheduler's share

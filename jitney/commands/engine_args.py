@@ -19,7 +19,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="smollm2-135m",
         help="smollm2-135m (default), tiny-random, a Hugging Face model directory, a .gguf file, "
         "or real-size random weights: random:llama-3.2-1b, random:llama-3.1-8b, random:qwen3-8b "
-        "(random:tiny = tiny-random)",
+        "(random:tiny = tiny-random); noop is NO MODEL (load testing only: meaningless tokens)",
+    )
+    g.add_argument(
+        "--noop-step-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="--model noop only (LOAD TESTING, never production): the fake forward's duration",
     )
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     g.add_argument(
@@ -99,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         cache_dir=args.cache_dir,
+        noop_step_ms=args.noop_step_ms,
     )
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]

@@ -26,9 +26,11 @@ redis:
 	    echo "or point REDIS_URL at a Redis 7+ server for 'make up'."; exit 1; \
 	fi
 
-# Debian tools that tests start themselves: nginx (load balancer in front of two gateways) and
-# prometheus (scrapes a live stack to check every dashboard query). Each entry: command:package.
-TEST_TOOLS := nginx:nginx prometheus:prometheus
+# Debian tools that tests start themselves: nginx (load balancer in front of two gateways),
+# prometheus (scrapes a live stack to check every dashboard query), chromium (loads the live
+# batch view headless) and tmux (runs `jitney top` on a captured screen). Each entry:
+# command:package.
+TEST_TOOLS := nginx:nginx prometheus:prometheus chromium:chromium tmux:tmux
 tools:
 	@for pair in $(TEST_TOOLS); do \
 	    cmd=$${pair%%:*}; pkg=$${pair#*:}; \

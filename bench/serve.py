@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from bench import batch_backlog as batch_backlog_mod
 from bench.trace import TraceRequest, percentile
 
 NOT_SENT = "not sent before --max-duration"
@@ -177,8 +178,13 @@ async def run_serve(
     max_duration: float = 600.0,
     label: str | None = None,
     say: Callable[[str], None] = lambda _: None,
+    batch_backlog: int = 0,
+    backlog_warmup_s: float = 3.0,
 ) -> dict[str, Any]:
-    """Run the requests against `url`; returns the JSON-ready report (summary + per request)."""
+    """Run the requests against `url`; returns the JSON-ready report (summary + per request).
+    `batch_backlog` > 0: the mixed-class mode (bench/batch_backlog.py); that many batch lines
+    are submitted first and run behind the interactive requests for `backlog_warmup_s` before
+    they start."""
     if (concurrency is None) == (rate is None and arrivals != "trace"):
         raise ValueError("give exactly one of rate (or arrivals='trace') and concurrency")
     if arrivals not in ("poisson", "trace"):
@@ -202,6 +208,13 @@ async def run_serve(
             mode = f"{arrivals} arrivals" + ("" if arrivals == "trace" else f" at {rate} req/s")
         else:
             mode = f"concurrency {concurrency}"
+        backlog_before = batch_id = None
+        if batch_backlog > 0:
+            batch_id = await batch_backlog_mod.submit(session, base, requests, batch_backlog, model)
+            say(f"backlog: batch {batch_id} of {batch_backlog} lines; warming up")
+            backlog_before = await batch_backlog_mod.wait_started(
+                session, base, batch_id, backlog_warmup_s
+            )
         say(f"{len(requests)} requests to {base} ({model}), {mode}")
         t0 = time.perf_counter()
 
@@ -240,6 +253,12 @@ async def run_serve(
         else:
             driver.result()
         wall = time.perf_counter() - t0
+        backlog = None
+        if batch_id is not None and backlog_before is not None:
+            after = await batch_backlog_mod.status(session, base, batch_id)
+            backlog = batch_backlog_mod.progress(backlog_before, after, batch_backlog)
+            if after["status"] not in batch_backlog_mod.TERMINAL:
+                await batch_backlog_mod.cancel(session, base, batch_id)
     return summarize(
         results,
         wall,
@@ -253,6 +272,7 @@ async def run_serve(
             "concurrency": concurrency,
             "seed": seed,
             "max_duration_s": max_duration,
+            "batch_backlog": backlog,
         },
     )
 

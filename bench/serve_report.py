@@ -39,6 +39,13 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"{name:<6}" + "".join(f"{_ms(row[s]):>10}" for s in STATS))
     if r["failed"]:
         lines += ["", "failed:"] + [f"  {n:>4}  {why}" for why, n in r["failures"].items()]
+    if backlog := r.get("batch_backlog"):
+        lines += [
+            "",
+            f"batch backlog       {backlog['lines']} lines ({backlog['batch_id']}): "
+            f"{backlog['answered_during_run']} answered during the run, "
+            f"{backlog['answered_before_run']} before; {backlog['status_at_end']} at the end",
+        ]
     return "\n".join(lines)
 
 

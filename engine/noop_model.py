@@ -20,8 +20,9 @@ import torch
 from transformers import GenerationConfig, LlamaConfig
 
 from engine.tiny_model import SPECIAL_TOKENS, build_tiny_tokenizer
+from protocol import NOOP_MODEL
 
-NOOP = "noop"
+NOOP = NOOP_MODEL
 NOOP_CONTEXT = 32_768  # tokens per sequence it accepts (there is no model to bound it)
 HEAD_DIM = 64
 

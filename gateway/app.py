@@ -1,8 +1,10 @@
 """The aiohttp application: routes, middleware, start-up and shutdown.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (process up,
-always 200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503), GET /metrics
-(on the main port, behind auth when keys are configured; or alone on --metrics-port).
+Routes: POST /v1/completions, POST /v1/chat/completions, the Batch API (/v1/files, /v1/batches:
+gateway.batch_api; its runner task starts and stops with the app), GET /v1/models, GET /health
+(process up, always 200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503),
+GET /metrics (on the main port, behind auth when keys are configured; or alone on
+--metrics-port).
 Middleware, outermost first: errors and metrics (every error is an OpenAI error body; an
 unexpected exception is logged and answered with a bare 500, a Redis failure with a 503), auth
 (401), body size (413 from Content-Length, before reading), rate limits (429).
@@ -28,16 +30,21 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
+from gateway import batch_api
 from gateway.auth import CLIENT, auth_middleware
+from gateway.batch_api import MULTIPART_OVERHEAD, UPLOAD_PATH
+from gateway.batch_runner import BatchRunner
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, internal_error, redis_unavailable
 from gateway.generate import GATEWAY, chat_completions, completions
+from gateway.live_view import setup_live_view
 from gateway.ratelimit import RATE_LIMITER, RateLimiter, rate_limit_middleware
 from gateway.service import Gateway
-from protocol import HEARTBEAT_TTL_S
+from protocol import HEARTBEAT_TTL_S, NOOP_MODEL
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+BATCH_RUNNER: web.AppKey[BatchRunner] = web.AppKey("batch_runner", BatchRunner)
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", for the metrics label
 
 
@@ -94,13 +101,15 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         log.debug("request route=%s status=%d key_id=%s", route, status, key_id or "-")
 
 
-def body_limit(max_body_bytes: int) -> Middleware:
+def body_limit(max_body_bytes: int, max_upload_bytes: int) -> Middleware:
     """413 from the Content-Length header alone: a body announced too large is never read
-    (aiohttp's client_max_size still stops chunked bodies while reading)."""
+    (aiohttp's client_max_size still stops chunked bodies while reading). A file upload has its
+    own, larger limit (streamed: the handler counts what it reads)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if (request.content_length or 0) > max_body_bytes:
+        upload = request.method == "POST" and request.path == UPLOAD_PATH
+        if (request.content_length or 0) > (max_upload_bytes if upload else max_body_bytes):
             raise too_large()
         return await handler(request)
 
@@ -151,7 +160,10 @@ async def list_models(request: web.Request) -> web.Response:
             "id": m.name,
             "object": "model",
             "created": int(m.card.created),
-            "owned_by": "jitney",
+            # `jitney worker --model noop` has no model: it must not pass for one.
+            "owned_by": "jitney-noop (load testing only, no model)"
+            if m.name == NOOP_MODEL
+            else "jitney",
             "max_model_len": m.card.max_model_len,
         }
         for m in models
@@ -178,7 +190,7 @@ def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Appli
     middlewares = [
         errors_and_metrics,
         auth_middleware(config, gw.metrics),
-        body_limit(config.max_body_bytes),
+        body_limit(config.max_body_bytes, config.max_file_bytes + MULTIPART_OVERHEAD),
     ]
     limiter = RateLimiter(gw.redis, gw.keys, gw.metrics) if config.rate_limited else None
     if limiter is not None:
@@ -190,15 +202,20 @@ def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Appli
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await app[GATEWAY].start()
+        app[BATCH_RUNNER].start()
         yield
+        await app[BATCH_RUNNER].stop()
         await app[GATEWAY].stop()
 
+    app[BATCH_RUNNER] = BatchRunner(gw)
     app.cleanup_ctx.append(lifecycle)
+    batch_api.add_routes(app)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    setup_live_view(app)  # GET /ui, /ui/events
     if config.metrics_port is None:
         app.router.add_get("/metrics", metrics)
     return app

@@ -1,8 +1,9 @@
 """Bearer API keys: who is calling, checked in constant time, and secrets kept out of logs.
 
 Every route needs `Authorization: Bearer <key>` once keys are configured, except PUBLIC_PATHS
-(probes must work without secrets). A request's identity (`Client`) is stored on the request for
-the rate limiter, the metrics (key id label) and the logs; the key itself is never stored.
+(probes must work without secrets; the live view's data-free page). A request's identity
+(`Client`) is stored on the request for the rate limiter, the metrics (key id label) and the
+logs; the key itself is never stored.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from gateway.metrics import GatewayMetrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-PUBLIC_PATHS = frozenset({"/health", "/ready"})
+# /ui is the live view's static page (no data: a browser cannot send a key when it navigates;
+# the page sends one for /ui/events, which is behind the keys like every other route).
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/ui"})
 _SCHEME = "bearer"
 
 

@@ -157,6 +157,19 @@ class GatewayConfig:
     rate_limits: RateLimits = field(default_factory=RateLimits)
     max_header_line_bytes: int = MAX_HEADER_LINE_BYTES
     max_headers: int = MAX_HEADERS
+    # Batch API. Uploads (POST /v1/files) may be this large, with at most this many lines.
+    max_file_bytes: int = 100 * MiB
+    batch_max_lines: int = 50_000
+    # Pacing: this gateway starts a batch line only while fewer than this many entries (of any
+    # kind) wait unread in the request stream, so an interactive request arriving never queues
+    # behind more than a few batch lines (the stream is FIFO; priorities act once read).
+    batch_max_queued: int = 4
+    # Batch lines this gateway runs at once (0: this gateway runs none).
+    batch_concurrency: int = 64
+    # A claimed line's lease, renewed while it runs: a dead gateway's lines run again after it.
+    batch_lease_s: float = 30.0
+    # How often an idle runner looks for batches with work (busy: every BATCH_TICK_S).
+    batch_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -174,9 +187,21 @@ class GatewayConfig:
             raise ValueError(f"gateway id must be non-empty without spaces: {self.gateway_id!r}")
         if not self.key_prefix:
             raise ValueError("key prefix must be non-empty")
-        for name in ("max_body_bytes", "max_queue_len", "max_queued_tokens", "retry_after_s"):
+        for name in (
+            "max_body_bytes",
+            "max_queue_len",
+            "max_queued_tokens",
+            "retry_after_s",
+            "max_file_bytes",
+            "batch_max_lines",
+            "batch_max_queued",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_concurrency < 0:
+            raise ValueError(f"batch concurrency must be >= 0, got {self.batch_concurrency}")
+        if self.batch_lease_s <= 0 or self.batch_poll_s <= 0:
+            raise ValueError("batch lease and poll interval must be > 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request timeout must be > 0, got {self.request_timeout}")
         if self.shutdown_timeout_s < 0:

@@ -8,6 +8,8 @@ or 503 with nothing left behind):
 3. prompt + max_tokens within max_model_len, a grammar     6. relay replies until every
    that compiles (400);                                      choice ended (gateway.relay).
 Leaving before the final reply (client gone, idle timeout, error) publishes a cancel.
+Steps 1-3 are `prepare`, 4-6 `submit`: a Batch API line (gateway.batch_runner) takes the same
+path without HTTP.
 
 Workers send token ids; the text is made in the gateway (gateway.choices, one detokenizer per
 choice), so it costs the workers' steps nothing and the gateways, which scale out, pay it. A stop

@@ -144,6 +144,11 @@ class Relay:
         return usage(self.prompt_tokens or self.num_prompt, completion, self.cached_tokens)
 
     async def collect(self) -> web.Response:
+        body = await self.collect_body()
+        return web.json_response(body, headers={"X-Request-Id": self.responder.request_id})
+
+    async def collect_body(self) -> dict[str, Any]:
+        """The whole (non-streamed) response body, or the ApiError the request ended with."""
         while not self.done:
             try:
                 reply = await self.next_reply(self._wait_limit())
@@ -158,8 +163,7 @@ class Relay:
             text, logprobs, calls, reason = c.result()
             tool_calls = [call.message() for call in calls] or None
             choices.append(r.choice(c.index, text, reason, logprobs, tool_calls))
-        body = r.body(choices, self.usage())
-        return web.json_response(body, headers={"X-Request-Id": r.request_id})
+        return r.body(choices, self.usage())
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(

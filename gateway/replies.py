@@ -4,7 +4,9 @@ Invariants:
 - exactly one XREAD loop per process, whatever the number of in-flight requests (no polling);
 - per request, replies reach the handler in seq order with duplicates (seq already delivered)
   dropped: delivery is at-least-once, e.g. after a worker reclaimed a dead worker's request;
-- everything read is trimmed away (XTRIM MINID past the last id read), so the stream stays short;
+- what was read is trimmed away (XTRIM MINID) except the replies of requests still in flight:
+  the stream is also the record a worker taking a request over continues from (the replies
+  already published for it), so it holds the in-flight requests' replies and nothing older;
 - `queued_prompt_tokens` counts prompt tokens of requests no worker has started (no reply yet);
 - after a Redis outage, a request no worker had started whose entry is gone from the request
   stream (Redis came back empty) ends with a final "abort": its client gets a clear 503 at once
@@ -24,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.tasks import cancel_and_wait
-from protocol import ProtocolError, ReplyMessage
+from protocol import ProtocolError, ReplyMessage, decode_replies
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,12 @@ class InFlight:
     next_seq: int = 0  # replies with seq < next_seq were delivered already
     started: bool = False  # a reply arrived: a worker has it, it is no longer queued
     entry_id: str | None = None  # its request stream entry, once XADD returned
+    first_reply_id: str | None = None  # the reply stream entry of its first reply: kept
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def next_stream_id(entry_id: str) -> str:
@@ -57,6 +65,7 @@ class ReplyRouter:
         self.block_ms = block_ms
         self._in_flight: dict[str, InFlight] = {}
         self._last_id = "0-0"
+        self._trimmed_to = "0-0"
         self._task: asyncio.Task[None] | None = None
         self.queued_prompt_tokens = 0
         self.num_duplicates = 0
@@ -115,17 +124,27 @@ class ReplyRouter:
         None: not at all); returns how many were read."""
         block = self.block_ms if block_ms == -1 else block_ms
         result = await self.redis.xread({self.stream: self._last_id}, count=READ_COUNT, block=block)
-        if not result:
-            return 0
         n = 0
-        for _stream, entries in result:
+        for _stream, entries in result or []:
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                self.dispatch(fields)
+                self.dispatch(fields, self._last_id)
                 n += 1
-        # Everything up to _last_id has been routed: drop it (exact MINID trim, a few entries).
-        await self.redis.xtrim(self.stream, minid=next_stream_id(self._last_id), approximate=False)
+        await self._trim()
         return n
+
+    async def _trim(self) -> None:
+        """Drop what was routed, but not the replies of requests still in flight (an exact
+        MINID trim, only when that bound moved: a request ended, or more was read)."""
+        if self._last_id == "0-0":
+            return
+        keep = next_stream_id(self._last_id)
+        for entry in self._in_flight.values():
+            if entry.first_reply_id is not None and _id_key(entry.first_reply_id) < _id_key(keep):
+                keep = entry.first_reply_id
+        if keep != self._trimmed_to:
+            await self.redis.xtrim(self.stream, minid=keep, approximate=False)
+            self._trimmed_to = keep
 
     async def _abort_lost(self) -> None:
         waiting = [e for e in self._in_flight.values() if not e.started and e.entry_id]
@@ -153,12 +172,17 @@ class ReplyRouter:
                 )
                 self._deliver(entry, lost)
 
-    def dispatch(self, fields: dict[bytes, bytes]) -> None:
+    def dispatch(self, fields: dict[bytes, bytes], entry_id: str | None = None) -> None:
+        """Route one stream entry: a reply, or a worker step's batch of them."""
         try:
-            reply = ReplyMessage.decode(fields)
+            replies = decode_replies(fields)
         except ProtocolError as e:
             log.warning("reply reader: dropped unreadable entry: %s", e)
             return
+        for reply in replies:
+            self._route(reply, entry_id)
+
+    def _route(self, reply: ReplyMessage, entry_id: str | None) -> None:
         entry = self._in_flight.get(reply.request_id)
         if entry is None:
             self.num_orphans += 1
@@ -174,6 +198,8 @@ class ReplyRouter:
                 entry.next_seq,
                 reply.seq,
             )
+        if entry.first_reply_id is None:
+            entry.first_reply_id = entry_id
         self._deliver(entry, reply)
 
     def _deliver(self, entry: InFlight, reply: ReplyMessage) -> None:

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker", "serve a model from the Redis request stream (one per GPU/CPU)"),
     "gateway": ("gateway", "the OpenAI-compatible HTTP gateway (no torch; enqueues into Redis)"),
     "dead-letters": ("dead_letters", "list (or purge) the requests workers gave up on"),
+    "top": ("top", "the live batch view in a terminal: every worker's seats, refreshed"),
 }
 
 

@@ -6,12 +6,12 @@ Keys (prefix `jitney` by default, so several deployments can share one Redis):
 - `{p}:requests`            stream of RequestMessage; consumer group `workers`. A worker XACKs
                             and XDELs an entry with its final reply, so the stream holds only
                             queued and in-progress requests
-- `{p}:progress:{id}`       list, one element per reply a worker published for the request (the
-                            reply's token ids), pushed atomically with the reply: a worker taking
-                            over a dead worker's request continues from exactly what the client got
 - `{p}:dead`                stream of dead-lettered requests (failed MAX_DELIVERIES times)
 - `{p}:fenced:{worker}`     a flag: another worker judged this one dead and took its requests
-- `{p}:replies:{gateway}`   stream of ReplyMessage for the requests one gateway enqueued
+- `{p}:replies:{gateway}`   stream of the replies to the requests one gateway enqueued: an entry
+                            holds one worker step's replies for that gateway (a batch). It is
+                            also the record a worker taking a request over continues from, so the
+                            gateway trims only what it read of requests no longer in flight
 - `{p}:cancels`             stream of CancelMessage; every worker reads all of it
 - `{p}:cancelled:{id}`      a flag with a TTL, so a worker can drop a queued entry before prefill
 - `{p}:workers`             sorted set worker id -> last heartbeat (unix seconds):
@@ -20,10 +20,22 @@ Keys (prefix `jitney` by default, so several deployments can share one Redis):
 - `{p}:models`              set of the model names with a published card
 - `{p}:model:{name}`        hash: ModelCard published by the workers serving that model
 - `{p}:queued_tokens`       prompt tokens of entries no worker has read yet (all gateways)
+- `{p}:live:{worker}`       a worker's live batch view (protocol/snapshot.py), JSON, expiring
+                            with its lease (HEARTBEAT_TTL_S)
 - `{p}:ratelimit:{key_id}`  a token bucket per API key (gateway rate limits)
+- `{p}:file:{id}`           hash: a Batch API file's object (JSON), input or output
+- `{p}:file_lines:{id}`     list: that file's JSONL lines
+- `{p}:batches`             sorted set batch id -> created_at: every batch (the list route)
+- `{p}:batches:active`      sorted set batch id -> created_at: batches with work left for the
+                            gateways' runners (in progress, cancelling, finalizing)
+- `{p}:batch:{id}`          hash: a batch's state (status, counts, times, next line to claim)
+- `{p}:batch_leases:{id}`   sorted set line index -> lease expiry (unix seconds): lines a gateway
+                            is running; an expired lease is claimed again by any gateway
+- `{p}:batch_results:{id}`  hash line index -> its output line, written once (HSETNX)
 
 Reply seq contract: replies of one request carry seq 0, 1, 2, ... with no gaps, whichever worker
-sends them; a worker that takes a request over continues from the progress list's length.
+sends them; a worker that takes a request over continues after the replies already published
+for it (read back from its gateway's reply stream).
 Delivery is at-least-once, so a gateway drops a reply whose seq it has already delivered.
 """
 
@@ -42,16 +54,15 @@ HEARTBEAT_TTL_S = 5.0
 # A request delivered (read or taken over) more than this many times is dead-lettered.
 MAX_DELIVERIES = 3
 DEAD_LETTER_MAXLEN = 10_000
-# Progress lists outlive any healthy request; the TTL only bounds what a lost one leaves behind.
-PROGRESS_TTL_S = 24 * 3600
 FENCE_TTL_S = 3600
 # The consumer that holds handed-back entries until a live worker takes them over. It never
 # heartbeats, so its entries always count as orphaned.
 RELEASED_CONSUMER = "released"
 # How long a cancel flag outlives the cancel (long enough for any queued entry to be read).
 CANCEL_FLAG_TTL_S = 3600
-# Reply streams are trimmed approximately to this length: a gateway reads within milliseconds.
-REPLY_STREAM_MAXLEN = 100_000
+# A safety net on a reply stream's length (one entry per worker step for that gateway): its
+# gateway trims it itself, keeping the replies of requests in flight (a takeover reads them).
+REPLY_STREAM_MAXLEN = 1_000_000
 CANCEL_STREAM_MAXLEN = 10_000
 
 
@@ -99,9 +110,6 @@ class Keys:
     def model(self, name: str) -> str:
         return f"{self.prefix}:model:{name}"
 
-    def progress(self, request_id: str) -> str:
-        return f"{self.prefix}:progress:{request_id}"
-
     @property
     def dead_letters(self) -> str:
         return f"{self.prefix}:dead"
@@ -113,5 +121,31 @@ class Keys:
     def queued_tokens(self) -> str:
         return f"{self.prefix}:queued_tokens"
 
+    def live_batch(self, worker_id: str) -> str:
+        return f"{self.prefix}:live:{worker_id}"
+
     def ratelimit(self, key_id: str) -> str:
         return f"{self.prefix}:ratelimit:{key_id}"
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        return f"{self.prefix}:file_lines:{file_id}"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def active_batches(self) -> str:
+        return f"{self.prefix}:batches:active"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_leases(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch_leases:{batch_id}"
+
+    def batch_results(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch_results:{batch_id}"

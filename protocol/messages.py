@@ -7,7 +7,8 @@ Every message is one stream entry (or hash) with two fields: `v` (the protocol v
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from protocol.sampling import SamplingParams
@@ -48,10 +49,17 @@ class Message:
                 f"{cls.kind}: protocol version {text('v')}, expected {PROTOCOL_VERSION}"
             )
         try:
-            data = json.loads(text("m"))
+            return cls.from_dict(json.loads(text("m")))
+        except ValueError as e:
+            raise ProtocolError(f"{cls.kind}: malformed message: {e}") from e
+
+    @classmethod
+    def from_dict(cls: type[M], data: Any) -> M:
+        """The message from its JSON object (fields it does not know are ignored)."""
+        try:
             known = {f.name for f in fields(cls)}
             return cls(**{k: v for k, v in data.items() if k in known})
-        except (TypeError, ValueError) as e:
+        except (AttributeError, TypeError) as e:
             raise ProtocolError(f"{cls.kind}: malformed message: {e}") from e
 
 
@@ -107,6 +115,44 @@ class ReplyMessage(Message):
         return self.finish_reason is not None
 
 
+def encode_replies(replies: Sequence[ReplyMessage]) -> dict[str, str]:
+    """Several replies as one stream entry (`b`: a JSON array): what one worker step has for
+    one gateway goes in one XADD, not one per request."""
+    batch = json.dumps([_compact(r) for r in replies], separators=(",", ":"))
+    return {"v": str(PROTOCOL_VERSION), "b": batch}
+
+
+def _compact(reply: ReplyMessage) -> dict[str, Any]:
+    """The reply's fields that differ from their defaults (a delta is mostly defaults: this
+    roughly quarters the bytes per token that Redis stores and sends)."""
+    return {k: v for k, v in asdict(reply).items() if k in _REQUIRED or v != _REPLY_DEFAULTS.get(k)}
+
+
+def decode_replies(entry: dict[Any, Any]) -> list[ReplyMessage]:
+    """A reply stream entry: one reply (`m`) or a batch of them (`b`), in order."""
+    batch = entry.get("b", entry.get(b"b"))
+    if batch is None:
+        return [ReplyMessage.decode(entry)]
+    version = entry.get("v", entry.get(b"v"))
+    version = version.decode() if isinstance(version, bytes) else str(version)
+    if version != str(PROTOCOL_VERSION):
+        raise ProtocolError(f"reply: protocol version {version}, expected {PROTOCOL_VERSION}")
+    try:
+        items = json.loads(batch)
+    except ValueError as e:
+        raise ProtocolError(f"reply: malformed batch: {e}") from e
+    if not isinstance(items, list):
+        raise ProtocolError("reply: a batch must be a JSON array")
+    return [ReplyMessage.from_dict(item) for item in items]
+
+
+_REQUIRED = frozenset({"request_id", "seq"})
+_REPLY_DEFAULTS: dict[str, Any] = {
+    f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+    for f in fields(ReplyMessage)
+}
+
+
 STOP_STRING = "stop"  # a cancel's reason when the request's text reached a stop string
 
 
@@ -117,6 +163,11 @@ class CancelMessage(Message):
     request_id: str
     reason: str = "client_gone"  # or STOP_STRING: the gateway's detokenizer found a stop string
     index: int | None = None  # one choice of an n > 1 request; None: the whole request
+
+
+# The model name of `jitney worker --model noop` (no model: load tests only); the gateway
+# labels it as such in /v1/models.
+NOOP_MODEL = "noop"
 
 
 @dataclass(slots=True)

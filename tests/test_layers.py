@@ -70,7 +70,7 @@ def _key_pattern() -> re.Pattern[str]:
         key = value("X") if callable(value) and not attr.startswith("_") else value
         if isinstance(key, str) and key.startswith("PFX:"):
             names.add(key.split(":")[1])
-    assert {"requests", "replies", "progress", "workers"} <= names
+    assert {"requests", "replies", "cancels", "workers"} <= names
     return re.compile(r":(" + "|".join(sorted(names)) + r")(:|$)")
 
 

@@ -14,6 +14,8 @@ from protocol import (
     ReplyMessage,
     RequestMessage,
     SamplingParams,
+    decode_replies,
+    encode_replies,
 )
 from protocol.model_card import card_from_tokenizer, tokenizer_from_card
 
@@ -144,3 +146,21 @@ def test_redis_url_is_redacted_for_logs():
     assert redacted("redis://user:pw@localhost/1") == "redis://localhost/1"
     sentinel = "redis+sentinel://:pw@s1:26379,s2:26379/mymaster/0"
     assert redacted(sentinel) == "redis+sentinel://s1:26379,s2:26379/mymaster/0"
+
+
+def test_a_worker_step_s_replies_travel_as_one_compact_entry():
+    """encode_replies: one stream entry for several replies, each without its default fields;
+    decode_replies reads it back, and a single-reply entry too."""
+    replies = [
+        ReplyMessage("a", 0, [1, 2]),
+        ReplyMessage("b", 3, [4], finish_reason="stop", completion_tokens=4, index=1),
+    ]
+    entry = encode_replies(replies)
+    assert set(entry) == {"v", "b"} and "prompt_logprobs" not in entry["b"]
+    assert decode_replies(entry) == replies
+    assert decode_replies(replies[0].encode()) == replies[:1]
+    with pytest.raises(ProtocolError, match="protocol version"):
+        decode_replies({**entry, "v": "99"})
+    for bad in ("{", '{"a": 1}', "[1]"):
+        with pytest.raises(ProtocolError):
+            decode_replies({"v": entry["v"], "b": bad})

@@ -97,7 +97,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 LABELS = ("model", "worker")
-HANDOFF_EVENTS = ("taken_over", "handed_back", "dead_lettered", "gateway_gone")
+HANDOFF_EVENTS = ("taken_over", "handed_back", "dead_lettered", "gateway_gone", "history_lost")
 
 
 class WorkerMetrics:

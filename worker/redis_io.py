@@ -10,20 +10,21 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 
 from protocol import (
     DEAD_LETTER_MAXLEN,
     FENCE_TTL_S,
-    PROGRESS_TTL_S,
     RELEASED_CONSUMER,
     REPLY_STREAM_MAXLEN,
     WORKER_GROUP,
     Keys,
     ModelCard,
+    ProtocolError,
     ReplyMessage,
+    decode_replies,
+    encode_replies,
 )
 from protocol.redis_client import sync_client
 
@@ -36,32 +37,28 @@ RELEASED_IDLE_MS = 24 * 3600 * 1000
 # Both scripts run every step or second, so they are registered once and called by SHA
 # (redis-py's Script: EVALSHA, and SCRIPT LOAD + EVALSHA again on NOSCRIPT, as after a restart).
 
-# One step's replies, progress and acks, applied atomically unless this worker has been fenced
-# (another worker judged it dead and took its requests over): a fenced worker's late writes would
+# One step's replies and acks, applied atomically unless this worker has been fenced (another
+# worker judged it dead and took its requests over): a fenced worker's late writes would
 # interleave with its successor's. Returns 0 when fenced, 1 when applied.
-# KEYS: fence flag, request stream. ARGV: group, reply maxlen, progress ttl, then operations:
-#   R stream nomkstream(0|1) v m final(0|1) progress_key tokens_json   (a reply)
-#   A entry_id                                                         (XACK + XDEL)
+# KEYS: fence flag, request stream. ARGV: group, reply maxlen, then operations:
+#   R stream nomkstream(0|1) v b   (one XADD: a gateway's replies of this step, as a batch)
+#   A entry_id                     (XACK + XDEL)
+# The reply stream is also the record a takeover continues from (WorkerRedis.claim): no write
+# per request besides its reply, which halves what Redis does per streamed token.
 _PUBLISH = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local group, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3]
-local i = 4
+local group, maxlen = ARGV[1], ARGV[2]
+local i = 3
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'R' then
-    local stream, nomk, v, m, final, progress = ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4],
-      ARGV[i+5], ARGV[i+6]
+    local stream, nomk, v, b = ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4]
     if nomk == '1' then
-      redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'v', v, 'm', m)
+      redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'v', v, 'b', b)
     else
-      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'v', v, 'm', m)
+      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'v', v, 'b', b)
     end
-    if final == '1' then
-      redis.call('DEL', progress)
-    elseif redis.call('RPUSH', progress, ARGV[i+7]) == 1 then
-      redis.call('EXPIRE', progress, ttl)
-    end
-    i = i + 8
+    i = i + 5
   else  -- 'A'
     -- pcall: after a restart without persistence the group may be gone; nothing to ack then
     redis.pcall('XACK', KEYS[2], group, ARGV[i+1])
@@ -103,8 +100,6 @@ class Outbox:
 
     replies: list[tuple[str, ReplyMessage]] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)  # entries to XACK and XDEL
-    # (request id, seq) of finals that end one choice of an n > 1 request, not the request.
-    choice_finals: set[tuple[str, int]] = field(default_factory=set)
     # Reply streams of gateways that are gone: replies go only if the stream still exists.
     gone_streams: set[str] = field(default_factory=set)
 
@@ -125,7 +120,9 @@ class Orphan:
 class Claimed:
     entry: Entry
     deliveries: int  # including this claim
-    delivered: list[Any]  # each reply already published, as its progress item (progress_item)
+    # The replies already published for it, in seq order (published_history); None when the
+    # reply stream no longer holds them all (it cannot be continued exactly).
+    delivered: list[ReplyMessage] | None
 
 
 @dataclass(slots=True)
@@ -137,29 +134,26 @@ class Roster:
     gateways: dict[str, float]  # gateway id -> last heartbeat (unix seconds)
 
 
-def progress_item(reply: ReplyMessage) -> str:
-    """A reply's entry in its request's progress list: choice 0's tokens as a plain list (all
-    an n = 1 request has), other choices' as {"i": index, "t": tokens}, with "done" on a
-    choice's final."""
-    if reply.index == 0 and not reply.is_final:
-        return json.dumps(reply.token_ids)
-    return json.dumps({"i": reply.index, "t": reply.token_ids, "done": reply.is_final})
-
-
-def resumed_outputs(items: list[Any], n: int) -> list[int] | dict[int, list[int]]:
-    """What a takeover continues after, from a request's progress list: the delivered tokens
-    (n = 1), or each unfinished choice's (choices with a final are not run again)."""
+def resumed_outputs(delivered: Sequence[ReplyMessage], n: int) -> list[int] | dict[int, list[int]]:
+    """What a takeover continues after, from the replies already published for a request: its
+    delivered tokens (n = 1), or each unfinished choice's (a choice with a final is done)."""
     tokens: dict[int, list[int]] = {i: [] for i in range(n)}
-    for item in items:
-        if isinstance(item, list):
-            tokens[0] += item
-            continue
-        index = item["i"]
-        if index in tokens:
-            tokens[index] += item["t"]
-            if item["done"]:
-                del tokens[index]
+    for reply in delivered:
+        if reply.index in tokens:
+            tokens[reply.index] += reply.token_ids
+            if reply.is_final:
+                del tokens[reply.index]
     return tokens[0] if n == 1 else tokens
+
+
+def published_history(replies: Sequence[ReplyMessage]) -> list[ReplyMessage] | None:
+    """One request's replies in seq order, duplicates dropped; None when they are not all
+    there (seq 0, 1, ... with a gap: the stream lost some), so nothing is resumed wrongly."""
+    by_seq = {reply.seq: reply for reply in replies}
+    ordered = [by_seq[seq] for seq in sorted(by_seq)]
+    if [reply.seq for reply in ordered] != list(range(len(ordered))):
+        return None
+    return ordered
 
 
 class WorkerRedis:
@@ -287,22 +281,13 @@ class WorkerRedis:
 
     def publish(self, outbox: Outbox) -> bool:
         """Apply one step's writes atomically; False (nothing written) if this worker is fenced."""
-        args: list[str | int] = [WORKER_GROUP, REPLY_STREAM_MAXLEN, PROGRESS_TTL_S]
-        for stream, reply in outbox.replies:
-            fields = reply.encode()
-            ends_request = reply.is_final and (reply.request_id, reply.seq) not in (
-                outbox.choice_finals
-            )
-            args += [
-                "R",
-                stream,
-                int(stream in outbox.gone_streams),
-                fields["v"],
-                fields["m"],
-                int(ends_request),
-                self.keys.progress(reply.request_id),
-                progress_item(reply),
-            ]
+        args: list[str | int] = [WORKER_GROUP, REPLY_STREAM_MAXLEN]
+        by_stream: dict[str, list[ReplyMessage]] = {}
+        for stream, reply in outbox.replies:  # in order: a request's seqs stay in order
+            by_stream.setdefault(stream, []).append(reply)
+        for stream, replies in by_stream.items():
+            fields = encode_replies(replies)
+            args += ["R", stream, int(stream in outbox.gone_streams), fields["v"], fields["b"]]
         for entry_id in outbox.acks:
             args += ["A", entry_id]
         keys = [self.keys.fenced(self.worker_id), self.keys.requests]
@@ -352,7 +337,8 @@ class WorkerRedis:
 
     def claim(self, orphans: Sequence[Orphan], min_idle_ms: int) -> list[Claimed]:
         """XCLAIM them for this worker (an entry another claimer took first is skipped: the
-        min-idle test fails once its idle time was reset) and read their progress lists."""
+        min-idle test fails once its idle time was reset) and read the replies already
+        published for each from its gateway's reply stream (one XRANGE per stream)."""
         if not orphans:
             return []
         times = {o.entry_id: o.times_delivered for o in orphans}
@@ -367,14 +353,30 @@ class WorkerRedis:
         gone = [_text(i) for i, fields in got if not fields]  # deleted: nothing to serve
         if gone:
             self.client.xack(self.keys.requests, WORKER_GROUP, *gone)
-        pipe = self.client.pipeline(transaction=False)
-        for entry in entries:
-            pipe.lrange(self.keys.progress(_request_id(entry.fields)), 0, -1)
-        progress = pipe.execute() if entries else []
+        published = self._published([_addressing(entry.fields) for entry in entries])
         return [
-            Claimed(entry, times[entry.entry_id] + 1, [json.loads(p) for p in items])
-            for entry, items in zip(entries, progress, strict=True)
+            Claimed(entry, times[entry.entry_id] + 1, published.get(_request_id(entry.fields)))
+            for entry in entries
         ]
+
+    def _published(self, requests: Sequence[tuple[str, str]]) -> dict[str, list[ReplyMessage]]:
+        """(request id, reply stream) -> the replies already published for each request, as
+        published_history gives them (None: incomplete)."""
+        streams = sorted({stream for _, stream in requests if stream})
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xrange(stream, "-", "+")
+        found: dict[str, list[ReplyMessage]] = {request_id: [] for request_id, _ in requests}
+        for entries in pipe.execute() if streams else []:
+            for _, fields in entries:
+                try:
+                    replies = decode_replies(fields)
+                except ProtocolError:
+                    continue
+                for reply in replies:
+                    if reply.request_id in found:
+                        found[reply.request_id].append(reply)
+        return {request_id: published_history(replies) for request_id, replies in found.items()}
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
         fields = {**entry.fields, "entry_id": entry.entry_id, "reason": reason}
@@ -410,10 +412,16 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 
 def _request_id(fields: Fields) -> str:
     """The request id of an entry without validating the rest (the service decodes it)."""
+    return _addressing(fields)[0]
+
+
+def _addressing(fields: Fields) -> tuple[str, str]:
+    """(request id, reply stream) of an entry without validating the rest ("" when absent)."""
     try:
-        return str(json.loads(fields[b"m"])["request_id"])
-    except (KeyError, TypeError, ValueError):
-        return ""
+        message = json.loads(fields[b"m"])
+        return str(message["request_id"]), str(message.get("reply_to") or "")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "", ""
 
 
 def _entries(reply: object) -> list[Entry]:

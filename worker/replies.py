@@ -109,9 +109,7 @@ class ReplyBook:
         request = self.tracked[out.request_id]
         reason = out.finish_reason or "abort"
         request.open_choices -= 1
-        if request.open_choices > 0:  # the other choices go on: this final ends its own only
-            self.outbox.choice_finals.add((out.request_id, request.next_seq))
-        else:
+        if request.open_choices == 0:  # the other choices' finals came before
             del self.tracked[out.request_id]
             self.unscheduled.discard(out.request_id)
         self._send_output(

@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 
@@ -36,6 +35,7 @@ from protocol import (
     CancelMessage,
     ModelCard,
     ProtocolError,
+    ReplyMessage,
     RequestMessage,
     SamplingParams,
 )
@@ -43,6 +43,7 @@ from worker.failpoints import Failpoints
 from worker.metrics import WorkerMetrics
 from worker.redis_io import Claimed, Entry, WorkerRedis, resumed_outputs
 from worker.replies import ReplyBook, TrackedRequest, kv
+from worker.snapshot import SnapshotPublisher
 from worker.takeover import Takeover
 
 logger = logging.getLogger("jitney.worker")
@@ -58,6 +59,9 @@ INVALID_REQUEST = "invalid_request_error"
 # This many failed steps in a row (none succeeding in between) and the worker exits non-zero:
 # the device is broken, not a request (a poison request fails at most MAX_DELIVERIES times).
 MAX_CONSECUTIVE_STEP_FAILURES = 10
+# The seq of the error that ends a request whose delivered replies cannot be read back: past
+# any seq its gateway has seen, so it is delivered, not dropped as a duplicate.
+HISTORY_LOST_SEQ = 2**31
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,7 @@ class WorkerService:
         self.book = ReplyBook(metrics)
         self.state = _LoopState()
         self.takeover = Takeover(io)
+        self.snapshots = SnapshotPublisher(io.client, io.keys, config.worker_id, card.name)
         self._fenced = threading.Event()  # set by the heartbeat thread
         self._heartbeat_stop = threading.Event()
         # Requests reserve prompt + max_tokens at admission under these settings.
@@ -231,6 +236,7 @@ class WorkerService:
         if self.engine.has_unfinished():
             self._step()
         self._publish()  # the whole step's replies, progress and acks: one round trip
+        self.snapshots.maybe_publish(self.engine)  # the live batch view, twice a second
         kv_blocks = self.engine.block_manager
         self.metrics.set_state(
             self.engine.num_running,
@@ -392,6 +398,9 @@ class WorkerService:
                 continue
             if msg.request_id in book.tracked:  # already ours (a rejoin raced the takeover)
                 continue
+            if c.delivered is None:  # its reply stream lost part of what was delivered
+                self._history_lost(c.entry, msg)
+                continue
             request = self._tracked(c.entry, msg, next_seq=len(c.delivered))
             request.last_chance = self.takeover.is_last_chance(c.deliveries)
             if self.takeover.is_poison(c):
@@ -414,6 +423,20 @@ class WorkerService:
                     kv(request=msg.request_id, replies=len(c.delivered), deliveries=c.deliveries),
                 )
 
+    def _history_lost(self, entry: Entry, msg: RequestMessage) -> None:
+        """End a request that cannot be continued exactly (what its client got is unknown): an
+        error its gateway delivers whatever seq it expects (a seq past any it has seen)."""
+        request = self._tracked(entry, msg, next_seq=HISTORY_LOST_SEQ)
+        self.book.reject(
+            msg.request_id,
+            request,
+            "error",
+            "The request's partial output could not be recovered after its worker failed.",
+            "server_error",
+        )
+        self.metrics.handoff("history_lost")
+        logger.error("history_lost %s", kv(request=msg.request_id))
+
     def _decode(self, entry: Entry) -> RequestMessage:
         msg = RequestMessage.decode(entry.fields)
         if not isinstance(msg.reply_to, str) or not msg.reply_to.startswith(
@@ -428,9 +451,12 @@ class WorkerService:
         return msg
 
     def _start(
-        self, msg: RequestMessage, request: TrackedRequest, delivered: list[Any] | None = None
+        self,
+        msg: RequestMessage,
+        request: TrackedRequest,
+        delivered: list[ReplyMessage] | None = None,
     ) -> None:
-        """Hand a request to the engine; `delivered`: a takeover's progress list."""
+        """Hand a request to the engine; `delivered`: the replies a takeover continues after."""
         e = self.engine
         try:
             params = self._sampling_params(msg)

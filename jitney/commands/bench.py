@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(off)
     _add_serve_arguments(sub)
+    _add_queue_arguments(sub)
     add_report_arguments(sub)
 
 
@@ -90,6 +91,22 @@ def _add_serve_arguments(sub: argparse._SubParsersAction) -> None:
         default=600.0,
         help="seconds; then what is left is cancelled and counted failed",
     )
+    srv.add_argument(
+        "--batch-backlog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="mixed-class mode: N batch lines (the trace's requests, cycled) go in through the "
+        "Batch API first and run behind the interactive requests; the batch is cancelled at "
+        "the end",
+    )
+    srv.add_argument(
+        "--backlog-warmup",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds the backlog runs alone before the interactive requests start",
+    )
     srv.add_argument("--label", default=None, help="this run's name in --compare tables")
     srv.add_argument("--output", default="bench-serve.json", help="results JSON")
     srv.add_argument(
@@ -104,6 +121,68 @@ def _add_serve_arguments(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="no load: compare these result files in one table and one chart",
     )
+
+
+def _add_queue_arguments(sub: argparse._SubParsersAction) -> None:
+    from bench.queue import QueueSetup
+
+    d = QueueSetup()
+    q = sub.add_parser(
+        "queue",
+        help="model-free: what one Redis and one gateway carry (noop workers)",
+        description="N `--model noop` workers and M gateways on one private redis-server, "
+        "streamed closed loop at N × slots in flight: tokens/s, CPU per million tokens of "
+        "each component, Redis commands and bytes per token, extrapolated ceilings.",
+    )
+    q.add_argument("--workers", type=int, default=d.workers, help="noop workers")
+    q.add_argument("--slots", type=int, default=d.slots, help="--max-num-seqs per worker")
+    q.add_argument("--gateways", type=int, default=d.gateways, help="gateway processes")
+    q.add_argument("--step-ms", type=float, default=d.step_ms, help="the noop forward's time")
+    q.add_argument("--requests", type=int, default=d.requests)
+    q.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    q.add_argument("--output-len", type=int, default=d.output_len)
+    q.add_argument("--output", default="bench-queue.json", help="results JSON")
+    q.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="LABEL=RESULT_JSON",
+        default=None,
+        help="no load: chart these results' CPU per million tokens side by side (--plot)",
+    )
+    q.add_argument("--plot", default="bench-queue.png", help="the --compare chart (PNG)")
+
+
+def run_queue(args: argparse.Namespace) -> int:
+    from bench.queue import QueueSetup, format_report, plot_compare, run_queue_bench, write_json
+
+    if args.compare:
+        pairs = [item.partition("=") for item in args.compare]
+        if any(not sep for _, sep, _ in pairs):
+            raise SystemExit("bench queue --compare: give LABEL=RESULT_JSON pairs")
+        reports = [json.loads(Path(path).read_text()) for _, _, path in pairs]
+        for (label, _, _), report in zip(pairs, reports, strict=True):
+            print(f"== {label}\n{format_report(report)}\n")
+        plot_compare(reports, [label for label, _, _ in pairs], args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+        return 0
+
+    setup = QueueSetup(
+        args.workers,
+        args.slots,
+        args.gateways,
+        args.step_ms,
+        args.requests,
+        args.prompt_len,
+        args.output_len,
+    )
+    try:
+        report = run_queue_bench(setup, lambda m: print(m, file=sys.stderr, flush=True))
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    report["command"] = recorded_command()
+    print(format_report(report))
+    write_json(report, args.output)
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -151,6 +230,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_duration=args.max_duration,
                 label=args.label,
                 say=say,
+                batch_backlog=args.batch_backlog,
+                backlog_warmup_s=args.backlog_warmup,
             )
         )
     except (ValueError, RuntimeError, aiohttp.ClientError) as e:  # bad flags, or no model list
@@ -192,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
         return run_report(args)  # stdlib HTTP + matplotlib: no torch
     if args.bench == "serve":
         return run_serve(args)  # no torch: the load generator is a plain HTTP client
+    if args.bench == "queue":
+        return run_queue(args)  # processes of its own: nothing loads torch here
     import torch
 
     from bench.offline import OfflineBenchError, run_offline_bench, write_json

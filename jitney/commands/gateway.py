@@ -104,6 +104,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="scale to zero: accept requests for a published model while no worker is live (they "
         "wait in the queue) and report ready with Redis alone",
     )
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=100 * MiB,
+        help="Batch API: largest upload to POST /v1/files (larger: 413)",
+    )
+    p.add_argument(
+        "--batch-max-lines",
+        type=int,
+        default=50_000,
+        help="Batch API: most requests in one input file",
+    )
+    p.add_argument(
+        "--batch-max-queued",
+        type=int,
+        default=4,
+        help="Batch API pacing: start a batch line only while fewer entries than this wait "
+        "unread in the request queue (so interactive requests never wait behind many)",
+    )
+    p.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=64,
+        help="Batch API: lines this gateway runs at once (0: it runs none)",
+    )
+    p.add_argument(
+        "--batch-lease",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="Batch API: a running line's lease (renewed); a dead gateway's lines run again "
+        "elsewhere after it",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -143,6 +176,11 @@ def run(args: argparse.Namespace) -> int:
             rate_limits=RateLimits(args.rate_limit_rps, args.rate_limit_burst, args.rate_limit_tpm),
             shutdown_timeout_s=args.shutdown_timeout,
             queue_without_workers=args.queue_without_workers,
+            max_file_bytes=args.max_file_bytes,
+            batch_max_lines=args.batch_max_lines,
+            batch_max_queued=args.batch_max_queued,
+            batch_concurrency=args.batch_concurrency,
+            batch_lease_s=args.batch_lease,
         )
     except (OSError, ValueError) as e:  # key errors name the entry, never the key
         log.error("invalid gateway configuration: %s", e)

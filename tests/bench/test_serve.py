@@ -130,3 +130,19 @@ async def test_max_duration_cancels_the_rest(base, tmp_path):
     long, late = report["requests"][1:]
     assert long["start_s"] < max_duration <= long["end_s"] and long["e2e_s"] is None
     assert late["start_s"] is None and report["output_tokens"] == 3
+
+
+async def test_mixed_class_mode_runs_over_a_batch_backlog(base, tmp_path):
+    """--batch-backlog: a batch of backlog lines goes in through the Batch API first; the
+    interactive requests are all served over it, the report says how far the batch got, and
+    the batch does not outlive the run."""
+    lens = [6, 4, 8, 5]
+    trace = load_trace(write_trace(tmp_path / "t.json", lens))
+    report = await run_serve(base, trace, rate=50.0, batch_backlog=40, backlog_warmup_s=0.5)
+    assert_all_served(report, lens)
+    backlog = report["batch_backlog"]
+    assert backlog["lines"] == 40 and backlog["answered_during_run"] >= 0
+    assert backlog["answered_before_run"] + backlog["answered_during_run"] <= 40
+    with urllib.request.urlopen(f"{base}/v1/batches/{backlog['batch_id']}", timeout=5) as resp:
+        status = json.load(resp)["status"]
+    assert status in ("cancelling", "cancelled", "completed")

@@ -68,13 +68,12 @@ class Seen:
 
 def leftovers(r: redis.Redis) -> dict[str, int]:
     """What a finished request must not leave behind: its entry (unacked or undeleted), queued
-    prompt tokens, its progress list, unread replies."""
+    prompt tokens, unread replies."""
     pending = r.xpending(KEYS.requests, WORKER_GROUP)["pending"] if r.exists(KEYS.requests) else 0
     return {
         "entries": r.xlen(KEYS.requests),
         "pending": pending,
         "queued_tokens": int(r.get(KEYS.queued_tokens) or 0),
-        "progress_lists": len(list(r.scan_iter(KEYS.progress("*")))),
         "unread_replies": sum(r.xlen(k) for k in r.scan_iter(KEYS.replies("*"))),
     }
 

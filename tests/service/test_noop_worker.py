@@ -19,6 +19,7 @@ def test_a_noop_worker_serves_through_the_gateway_and_says_what_it_is():
         with urllib.request.urlopen(f"{gateway.base}/v1/models", timeout=10) as resp:
             models = json.load(resp)["data"]
         assert [m["id"] for m in models] == ["noop"]
+        assert "load testing only" in models[0]["owned_by"]
         body = {"model": "noop", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0}
         request = urllib.request.Request(
             f"{gateway.base}/v1/completions",

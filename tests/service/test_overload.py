@@ -93,7 +93,6 @@ async def test_twice_the_capacity_gets_fast_429s_and_loses_nothing():
         gateway_growth = rss_kib(gateway_pid) - gateway_rss
         redis_growth = used_memory(r) - redis_mem
         assert r.xpending(KEYS.requests, WORKER_GROUP)["pending"] == 0
-        assert list(r.scan_iter(match=KEYS.progress("*"))) == []
 
     admitted = [o for o in outcomes if o.status == 200]
     refused = [o for o in outcomes if o.status == 429]

@@ -6,7 +6,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.backlog import BacklogMonitor
-from protocol import WORKER_GROUP, Keys, ModelCard, ReplyMessage
+from protocol import WORKER_GROUP, Keys, ModelCard, ReplyMessage, decode_replies
 from tests.services import RedisServer
 from worker.redis_io import Outbox, WorkerRedis
 
@@ -45,7 +45,8 @@ def test_worker_scripts_survive_a_redis_restart(redis_server):
     assert r.exists(KEYS.model(CARD.name)) and r.zscore(KEYS.workers, "w1") is not None
     assert publish_reply(io, 1)
     # The restart emptied the reply stream: only the second reply is there.
-    assert [ReplyMessage.decode(f).seq for _, f in r.xrange(KEYS.replies("gw"))] == [1]
+    entries = r.xrange(KEYS.replies("gw"))
+    assert [reply.seq for _, f in entries for reply in decode_replies(f)] == [1]
     # Each script: one EVALSHA refused (empty cache), SCRIPT LOAD, one EVALSHA that ran.
     assert script_calls(r) == (0, 4, 2)
 

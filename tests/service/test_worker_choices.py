@@ -4,7 +4,6 @@ request with choices to check the takeover resumes each choice once."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 
@@ -19,7 +18,7 @@ from protocol import STOP_STRING, CancelMessage, Keys, ReplyMessage, RequestMess
 from protocol.sampling import SamplingParams
 from tests.service.test_worker_service import REPLIES, Replies, pending_ids
 from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
-from worker.redis_io import progress_item, resumed_outputs
+from worker.redis_io import published_history, resumed_outputs
 
 KEYS = Keys()
 MODEL = "tiny-random"
@@ -62,19 +61,24 @@ def offline_choices(params: SamplingParams) -> dict[int, list[int]]:
     return tokens
 
 
-def test_progress_items_resume_each_unfinished_choice_after_its_tokens():
-    """The progress list a takeover reads: choice 0's replies as plain token lists (all an
-    n = 1 request writes), other choices' tagged with their index, a final marking its end."""
+def test_a_takeover_resumes_each_unfinished_choice_after_its_published_replies():
+    """What a takeover reads back from the reply stream: each choice's delivered tokens; a
+    choice with a final is done; duplicates are dropped, and a gap means nothing is resumed."""
     replies = [
         ReplyMessage("r", 0, [1, 2]),
         ReplyMessage("r", 1, [7], index=2),
         ReplyMessage("r", 2, [5], index=1, finish_reason="stop"),
         ReplyMessage("r", 3, [3], index=0),
     ]
-    items = [json.loads(progress_item(reply)) for reply in replies]
-    assert items[0] == [1, 2] and items[1] == {"i": 2, "t": [7], "done": False}
-    assert resumed_outputs(items, 3) == {0: [1, 2, 3], 2: [7]}
-    assert resumed_outputs([[1, 2], [3]], 1) == [1, 2, 3]
+    history = published_history([replies[2], *replies, replies[0]])
+    assert history == replies
+    assert resumed_outputs(history, 3) == {0: [1, 2, 3], 2: [7]}
+    assert resumed_outputs([ReplyMessage("s", 0, [1, 2]), ReplyMessage("s", 1, [3])], 1) == [
+        1,
+        2,
+        3,
+    ]
+    assert published_history(replies[1:]) is None  # seq 0 is gone
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,7 @@ def test_choices_reply_per_index_and_the_entry_is_acked_after_the_last(server, w
     assert len(firsts) == 1 and firsts[0].index == 0
     assert len(firsts[0].prompt_logprobs) == len(PROMPT) - 1
     assert all(len(top) == 2 for _, top in firsts[0].prompt_logprobs)
-    assert pending_ids(r) == [] and list(r.scan_iter(match=KEYS.progress("*"))) == []
+    assert pending_ids(r) == []
 
 
 def test_a_cancel_with_an_index_ends_that_choice_only(server, worker):
@@ -192,4 +196,4 @@ def test_a_killed_worker_s_choices_are_resumed_once_each(server):
         assert got == want[index] and len(got) > 30
         text = tokenizer.decode(got, skip_special_tokens=True)  # the grammar may end at EOS
         assert set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
-    assert pending_ids(r) == [] and list(r.scan_iter(match=KEYS.progress("*"))) == []
+    assert pending_ids(r) == []

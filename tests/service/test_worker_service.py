@@ -23,6 +23,7 @@ from protocol import (
     ReplyMessage,
     RequestMessage,
     SamplingParams,
+    decode_replies,
 )
 from tests.engine.engine_helpers import assert_greedy_parity
 from tests.services import (
@@ -62,8 +63,8 @@ class Replies:
         for _, entries in self.r.xread({REPLIES: self.last_id}, block=200) or []:
             for entry_id, fields in entries:
                 self.last_id = entry_id
-                reply = ReplyMessage.decode(fields)
-                self.by_request.setdefault(reply.request_id, []).append(reply)
+                for reply in decode_replies(fields):  # a worker step's batch
+                    self.by_request.setdefault(reply.request_id, []).append(reply)
 
     def final(self, request_id: str) -> ReplyMessage | None:
         got = self.by_request.get(request_id, [])

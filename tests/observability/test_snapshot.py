@@ -1,0 +1,84 @@
+"""The live batch view's snapshot, built from a real tiny-model engine, and its publisher."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from engine.model_loader import LoadedModel, load_model
+from protocol import Keys
+from protocol.sampling import SamplingParams
+from protocol.snapshot import PHASES, BatchSnapshot
+from tests.engine.engine_helpers import make_engine
+from worker.snapshot import SnapshotPublisher, build_snapshot, short_id
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model("tiny-random")
+
+
+def test_phases_follow_the_batch_through_chunked_prefill_and_preemption(loaded):
+    """A KV pool of 14 blocks of 4 tokens and a 16-token budget for 6 requests: seats go
+    waiting -> prefill (chunked: computed < target) -> decode, and some are preempted."""
+    engine = make_engine(
+        loaded,
+        block_size=4,
+        kv_cache_memory=str(14 * 2048),  # tiny-random: 2 KiB of K/V per block of 4
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"req-{i}", list(range(10, 22)), params, priority=i % 2)
+    seen: set[str] = set()
+    partial_prefill = False
+    while engine.has_unfinished():
+        engine.step()
+        snap = build_snapshot(engine, "w1", "tiny-random", waiting_seats=3)
+        assert snap.running == engine.num_running and snap.waiting == engine.num_waiting
+        assert len(snap.seats) == snap.running + min(3, snap.waiting)
+        held, queued = snap.seats[: snap.running], snap.seats[snap.running :]
+        assert {s.phase for s in held} <= {"prefill", "decode"}
+        assert {s.phase for s in queued} <= {"waiting", "preempted"}
+        for seat in snap.seats:
+            assert re.fullmatch(r"[0-9a-f]{8}", seat.id)
+            assert seat.max_tokens == 30 and 0 <= seat.done < 30
+            assert seat.priority in (0, 1)
+            partial_prefill |= seat.phase == "prefill" and 0 < seat.computed < seat.target
+        assert 0 < snap.kv_total == 14 and 0 <= snap.kv_used <= 14
+        assert snap.max_num_seqs == 4 and snap.limit and snap.step_ms > 0
+        seen |= {s.phase for s in snap.seats}
+    assert seen == {"prefill", "decode", "waiting", "preempted"}, seen
+    assert partial_prefill, "no chunked prefill seen mid-way"
+    assert engine.policy.stats.num_preemptions_total > 0
+
+
+def test_ids_are_short_hashes_unless_full_ids_and_the_snapshot_round_trips(loaded):
+    engine = make_engine(loaded, max_num_seqs=2)
+    engine.add_request("cmpl-abc", [5, 6, 7], SamplingParams(max_tokens=4, n=2, ignore_eos=True))
+    engine.step()
+    short = build_snapshot(engine, "w1", "tiny-random")
+    assert [s.id for s in short.seats] == [short_id("cmpl-abc")] * len(short.seats)
+    full = build_snapshot(engine, "w1", "tiny-random", full_ids=True)
+    assert {s.id for s in full.seats} == {"cmpl-abc"}
+    again = BatchSnapshot.decode(full.encode())
+    assert again.to_dict() == full.to_dict()
+    assert all(s.phase in PHASES for s in again.seats)
+    assert len(full.encode()) < 600
+
+
+def test_a_publish_failure_never_reaches_the_loop_and_backs_off(loaded, caplog):
+    """Redis down (nothing listens on the port): maybe_publish returns quietly, logs once, and
+    does not try again within the lease. (In the loop, an outage usually fails the iteration's
+    earlier calls first, so the publisher is not even reached.)"""
+    engine = make_engine(loaded)
+    client = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    publisher = SnapshotPublisher(client, Keys("t"), "w1", "tiny-random", interval_s=0.0)
+    publisher.maybe_publish(engine)
+    publisher.maybe_publish(engine)  # backed off: no second attempt, no second warning
+    assert [r.message for r in caplog.records] == ["live_view_unpublished error=ConnectionError"]

@@ -76,7 +76,10 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
     async def deliver(relay: Relay) -> web.StreamResponse:
         return await (relay.stream(request) if stream else relay.collect())
 
-    return await submit(gw, job, _priority(request, job.parsed), received, deliver)
+    client = request.get(CLIENT)
+    key_id = None if client is None else client.key_id
+    priority = _priority(request, job.parsed)
+    return await submit(gw, job, priority, received, deliver, key_id=key_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,7 @@ async def submit(
     received: float,
     deliver: Callable[[Relay], Awaitable[T]],
     request_id: str = "",
+    key_id: str | None = None,
 ) -> T:
     """Steps 4-6: admit (429), enqueue, then `deliver` the replies (HTTP body or stream, or a
     batch line's body). Leaving before the final reply cancels the work."""
@@ -144,6 +148,7 @@ async def submit(
         enqueue_time=now,
         deadline=None if timeout is None else now + timeout,
         priority=priority,
+        key_id=key_id,
     )
     in_flight = gw.router.register(responder.request_id, len(prompt_ids))
     choices = _choices(job.model, parsed, prompt_ids, sampling, keep=not parsed.stream)

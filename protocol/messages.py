@@ -77,6 +77,7 @@ class RequestMessage(Message):
     deadline: float | None = None  # unix seconds; dropped as "expired" if not started by then
     # Lower is served first (vLLM's convention): admitted first, preempted last. PRIORITIES.
     priority: int = 0
+    key_id: str | None = None  # the API key's id (never the key): the live view shows it
 
     @property
     def sampling_params(self) -> SamplingParams:

@@ -36,6 +36,7 @@ class Seat:
     computed: int  # tokens whose K/V is computed (a prefill's progress)
     target: int  # tokens to compute before the next sample: the prompt (+ output on recompute)
     priority: int
+    key: str | None = None  # the API key's id, when the gateway has keys
 
     def to_list(self) -> list[Any]:
         return [
@@ -47,11 +48,22 @@ class Seat:
             self.computed,
             self.target,
             self.priority,
+            self.key,
         ]
 
 
 # A seat goes on the wire as a list in this order: 64 seats stay around 2.5 kB.
-SEAT_FIELDS = ("id", "index", "phase", "done", "max_tokens", "computed", "target", "priority")
+SEAT_FIELDS = (
+    "id",
+    "index",
+    "phase",
+    "done",
+    "max_tokens",
+    "computed",
+    "target",
+    "priority",
+    "key",
+)
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ class TrackedRequest:
     last_token_time: float | None = None
     last_chance: bool = False  # one more failure and it is dead-lettered
     open_choices: int = 1  # choices (n) not finished yet: the request ends with the last one
+    key_id: str | None = None  # the API key it came with (the live view shows it)
 
 
 @dataclass(slots=True)

@@ -236,7 +236,9 @@ class WorkerService:
         if self.engine.has_unfinished():
             self._step()
         self._publish()  # the whole step's replies, progress and acks: one round trip
-        self.snapshots.maybe_publish(self.engine)  # the live batch view, twice a second
+        self.snapshots.maybe_publish(
+            self.engine, self.book.tracked
+        )  # the live batch view, twice a second
         kv_blocks = self.engine.block_manager
         self.metrics.set_state(
             self.engine.num_running,
@@ -372,7 +374,11 @@ class WorkerService:
     def _tracked(self, entry: Entry, msg: RequestMessage, next_seq: int = 0) -> TrackedRequest:
         waited = max(0.0, time.time() - msg.enqueue_time)
         enqueue_time = time.monotonic() - waited
-        return TrackedRequest(entry.entry_id, msg.reply_to, enqueue_time, msg.gateway_id, next_seq)
+        request = TrackedRequest(
+            entry.entry_id, msg.reply_to, enqueue_time, msg.gateway_id, next_seq
+        )
+        request.key_id = msg.key_id if isinstance(msg.key_id, str) else None
+        return request
 
     def _dropped_before_start(self, msg: RequestMessage, request: TrackedRequest) -> bool:
         """End a request whose client cannot get it any more (expired, gateway gone)."""

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis
@@ -30,6 +31,7 @@ from protocol.snapshot import (
     Seat,
 )
 from scheduler import Sequence, SequenceStatus
+from worker.replies import TrackedRequest
 
 logger = logging.getLogger("jitney.worker")
 
@@ -63,7 +65,9 @@ def build_snapshot(
     model: str,
     full_ids: bool = False,
     waiting_seats: int = WAITING_SEATS,
+    tracked: Mapping[str, TrackedRequest] | None = None,
 ) -> BatchSnapshot:
+    """`tracked`: the worker's book (request id -> what came with it: its API key id)."""
     policy = engine.policy
     requests = engine.requests
     running = policy.slot_holders()
@@ -82,6 +86,7 @@ def build_snapshot(
                 seq.num_computed_tokens,
                 seq.num_tokens,
                 seq.priority,
+                _key_id(tracked, request_id),
             )
         )
     stats, blocks = engine.stats, engine.block_manager
@@ -101,6 +106,11 @@ def build_snapshot(
     )
 
 
+def _key_id(tracked: Mapping[str, TrackedRequest] | None, request_id: str) -> str | None:
+    request = None if tracked is None else tracked.get(request_id)
+    return None if request is None else request.key_id
+
+
 @dataclass(slots=True)
 class SnapshotPublisher:
     """Call `maybe_publish` once per loop iteration; it publishes at most every `interval_s`."""
@@ -116,13 +126,17 @@ class SnapshotPublisher:
     _next_at: float = 0.0
     _failing: bool = False
 
-    def maybe_publish(self, engine: Engine) -> None:
+    def maybe_publish(
+        self, engine: Engine, tracked: Mapping[str, TrackedRequest] | None = None
+    ) -> None:
         now = time.monotonic()
         if now < self._next_at:
             return
         self._next_at = now + self.interval_s
         try:
-            snapshot = build_snapshot(engine, self.worker_id, self.model, self.full_ids)
+            snapshot = build_snapshot(
+                engine, self.worker_id, self.model, self.full_ids, tracked=tracked
+            )
             key = self.keys.live_batch(self.worker_id)
             self.client.set(key, snapshot.encode(), px=int(HEARTBEAT_TTL_S * 1000))
         except Exception as e:  # the view must never break serving, whatever went wrong

@@ -1,5 +1,6 @@
 """`priority` (vLLM's: lower is served first) reaches the worker on the request message: the
-body's own, else the API key's default (`priority=N` in the keys file), else 0."""
+body's own, else the API key's default (`priority=N` in the keys file), else 0; and the key's
+id (for the live view), never the key."""
 
 from __future__ import annotations
 
@@ -10,26 +11,33 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from gateway.config import parse_api_keys
-from protocol import BATCH_PRIORITY
+from protocol import BATCH_PRIORITY, RequestMessage
 from tests.gateway.helpers import FakeWorker, MakeClient, assert_openai_error, replies_for
 
 Client = TestClient[Any, Any]
 BODY = {"prompt": "hi", "max_tokens": 2}
 
 
-async def enqueued_priority(
+async def enqueued(
     client: Client, fake_worker: FakeWorker, body: dict, headers: dict | None = None
-) -> int:
+) -> RequestMessage:
     call = asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
     request = await fake_worker.take()
     await fake_worker.reply(request, *replies_for(request, ["ok"]))
     assert (await call).status == 200
-    return request.priority
+    return request
+
+
+async def enqueued_priority(
+    client: Client, fake_worker: FakeWorker, body: dict, headers: dict | None = None
+) -> int:
+    return (await enqueued(client, fake_worker, body, headers)).priority
 
 
 async def test_the_body_s_priority_or_0(client: Client, fake_worker: FakeWorker) -> None:
     assert await enqueued_priority(client, fake_worker, {**BODY, "priority": -3}) == -3
-    assert await enqueued_priority(client, fake_worker, BODY) == 0
+    request = await enqueued(client, fake_worker, BODY)
+    assert request.priority == 0 and request.key_id is None  # no keys configured
 
 
 @pytest.mark.parametrize("value", [-101, BATCH_PRIORITY, 1.5, "high", True])
@@ -48,7 +56,8 @@ async def test_an_api_key_s_default_priority(
     assert await enqueued_priority(client, fake_worker, BODY, batchy) == 7
     assert await enqueued_priority(client, fake_worker, {**BODY, "priority": 1}, batchy) == 1
     vip = {"Authorization": "Bearer k2"}
-    assert await enqueued_priority(client, fake_worker, BODY, vip) == 0
+    request = await enqueued(client, fake_worker, BODY, vip)
+    assert request.priority == 0 and request.key_id == "vip"  # the id, never the key
 
 
 def test_a_key_s_priority_is_checked_when_the_keys_are_read() -> None:

@@ -10,9 +10,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
-from llguidance import LLMatcher
 
 from engine.capacity import KVCapacity, budget_bytes, plan_capacity
 from engine.config import EngineConfig
@@ -42,6 +42,9 @@ from scheduler import (
     StepPlan,
     make_policy,
 )
+
+if TYPE_CHECKING:  # llguidance is imported only when a request has a grammar
+    from llguidance import LLMatcher
 
 logger = logging.getLogger("jitney.engine")
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.torch as llg_torch
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from protocol.grammar import make_tokenizer
+if TYPE_CHECKING:  # imported on first use: the engine runs without llguidance (a GPU box)
+    import llguidance
 
 _BITS = 32
 
@@ -45,11 +45,15 @@ class Grammars:
 
     @cached_property
     def lltokenizer(self) -> llguidance.LLTokenizer:
+        from protocol.grammar import make_tokenizer
+
         tokenizer_json = self._tokenizer.backend_tokenizer.to_str()
         return make_tokenizer(tokenizer_json, self.vocab_size, self._eos_ids)
 
     def matcher(self, grammar: str, delivered: Sequence[int] = ()) -> llguidance.LLMatcher:
         """A matcher for `grammar` that has consumed `delivered` (a takeover's tokens)."""
+        import llguidance
+
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"grammar does not compile: {matcher.get_error()}")
@@ -59,6 +63,8 @@ class Grammars:
 
     def masks(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
         """The next-token bitmask of each matcher: int32 [len(matchers), ceil(vocab / 32)]."""
+        import llguidance.torch as llg_torch
+
         masks = torch.empty(len(matchers), -(-self.vocab_size // _BITS), dtype=torch.int32)
         for row, matcher in enumerate(matchers):
             llg_torch.fill_next_token_bitmask(matcher, masks, row)

@@ -33,9 +33,13 @@ def plain_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy
 
 
-def run_check(copy: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_check(
+    copy: Path, *args: str, pythonpath: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("PYTHONPATH", None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     return subprocess.run(
         [str(copy / "bench/gpu_check.sh"), *args],
         cwd="/",  # the script finds the repository from its own path
@@ -82,3 +86,24 @@ def test_bad_arguments_are_refused(plain_copy, tmp_path):
     assert run_check(plain_copy).returncode == 2  # no output folder
     done = run_check(plain_copy, str(tmp_path), "--device", "cpu", "--sections", "warp")
     assert done.returncode == 2 and "unknown section" in done.stderr
+
+
+def test_it_needs_no_package_the_gpu_machine_lacks(plain_copy, tmp_path):
+    """The lent machine has torch, transformers, aiohttp and prometheus-client, not llguidance
+    (structured outputs) nor redis: with both made unimportable the check still runs."""
+    blocked = tmp_path / "blocked"
+    for package in ("llguidance", "redis"):
+        (blocked / package).mkdir(parents=True)
+        (blocked / package / "__init__.py").write_text(f"raise ImportError('no {package} here')")
+    out = tmp_path / "gpu"
+    done = run_check(
+        plain_copy,
+        str(out),
+        "--device",
+        "cpu",
+        "--sections",
+        "correctness",
+        pythonpath=str(blocked),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["correctness"]["passed"]

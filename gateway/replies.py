@@ -43,12 +43,6 @@ class InFlight:
     next_seq: int = 0  # replies with seq < next_seq were delivered already
     started: bool = False  # a reply arrived: a worker has it, it is no longer queued
     entry_id: str | None = None  # its request stream entry, once XADD returned
-    first_reply_id: str | None = None  # the reply stream entry of its first reply: kept
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def next_stream_id(entry_id: str) -> str:
@@ -66,6 +60,9 @@ class ReplyRouter:
         self._in_flight: dict[str, InFlight] = {}
         self._last_id = "0-0"
         self._trimmed_to = "0-0"
+        # Started requests in flight -> the stream entry of their first reply, in stream order
+        # (inserted as read): the first value is the oldest entry still to keep.
+        self._retained: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self.queued_prompt_tokens = 0
         self.num_duplicates = 0
@@ -85,6 +82,7 @@ class ReplyRouter:
         return entry
 
     def unregister(self, request_id: str) -> None:
+        self._retained.pop(request_id, None)
         entry = self._in_flight.pop(request_id, None)
         if entry is not None and not entry.started:
             self.queued_prompt_tokens -= entry.prompt_tokens
@@ -138,10 +136,7 @@ class ReplyRouter:
         MINID trim, only when that bound moved: a request ended, or more was read)."""
         if self._last_id == "0-0":
             return
-        keep = next_stream_id(self._last_id)
-        for entry in self._in_flight.values():
-            if entry.first_reply_id is not None and _id_key(entry.first_reply_id) < _id_key(keep):
-                keep = entry.first_reply_id
+        keep = next(iter(self._retained.values()), None) or next_stream_id(self._last_id)
         if keep != self._trimmed_to:
             await self.redis.xtrim(self.stream, minid=keep, approximate=False)
             self._trimmed_to = keep
@@ -198,8 +193,8 @@ class ReplyRouter:
                 entry.next_seq,
                 reply.seq,
             )
-        if entry.first_reply_id is None:
-            entry.first_reply_id = entry_id
+        if entry_id is not None and reply.request_id not in self._retained:
+            self._retained[reply.request_id] = entry_id
         self._deliver(entry, reply)
 
     def _deliver(self, entry: InFlight, reply: ReplyMessage) -> None:

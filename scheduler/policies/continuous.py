@@ -94,27 +94,23 @@ class ContinuousBatching(BatchingPolicy):
             if head.seq_id in plan.preempted_seq_ids:
                 plan.limit = StepLimit.KV  # evicted for a more urgent one: readmitting it thrashes
                 return
-            if len(self.running) >= self.config.max_num_seqs:
-                refund = self._preempt_for(head, plan)
-                if refund is None:
-                    plan.limit = StepLimit.SEQS
+            full = len(self.running) >= self.config.max_num_seqs
+            if not full:
+                if budget == 0:
+                    plan.limit = StepLimit.TOKENS
                     return
-                budget += refund
-                continue
-            if budget == 0:
-                plan.limit = StepLimit.TOKENS
+                # Strict queue order: a head that does not fit blocks those behind it (no
+                # starvation within a priority).
+                num_new = self._try_admit_head(budget, plan)
+                if num_new is not None:
+                    budget -= num_new
+                    continue
+            # No slot, or no KV for the head: only a less urgent running sequence can make room.
+            refund = self._preempt_for(head, plan)
+            if refund is None:
+                plan.limit = StepLimit.SEQS if full else StepLimit.KV
                 return
-            # Strict queue order: a head that does not fit blocks those behind it (no starvation
-            # within a priority).
-            num_new = self._try_admit_head(budget, plan)
-            if num_new is None:
-                refund = self._preempt_for(head, plan)
-                if refund is None:
-                    plan.limit = StepLimit.KV
-                    return
-                budget += refund
-                continue
-            budget -= num_new
+            budget += refund
 
     def _preempt_for(self, head: Sequence, plan: StepPlan) -> int | None:
         """Preempt one running sequence strictly less urgent than `head` to make room for it.

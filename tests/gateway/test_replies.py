@@ -10,7 +10,7 @@ import redis
 from aiohttp.test_utils import TestClient
 from transformers import PreTrainedTokenizerFast
 
-from protocol import STOP_STRING, CancelMessage, ReplyMessage
+from protocol import STOP_STRING, CancelMessage, ReplyMessage, decode_replies
 from tests.gateway.helpers import (
     KEYS,
     MODEL,
@@ -338,6 +338,33 @@ async def test_reply_stream_is_trimmed(client: Client, fake_worker: FakeWorker) 
     await fake_worker.answer(request, ["a", "b", "c"])
     await call
     assert await eventually(lambda: _is_zero(fake_worker, request.reply_to))
+
+
+async def test_an_in_flight_request_s_replies_stay_until_it_ends(
+    client: Client, fake_worker: FakeWorker
+) -> None:
+    """The reply stream is the record a worker taking a request over reads back: what was read
+    of a request still in flight is kept (and everything after it); once it ends, all goes."""
+    slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "slow"}))
+    first = await fake_worker.take()
+    replies = replies_for(first, ["a", "b", "c"])
+    await fake_worker.reply(first, *replies[:2])  # in flight: two replies read
+    quick = asyncio.create_task(client.post("/v1/completions", json={"prompt": "quick"}))
+    second = await fake_worker.take()
+    await fake_worker.answer(second, ["x", "y"])
+    await quick
+    stream = fake_worker.io.client
+
+    def kept() -> list[int]:
+        entries = stream.xrange(first.reply_to)
+        return [
+            r.seq for _, f in entries for r in decode_replies(f) if r.request_id == first.request_id
+        ]
+
+    assert await asyncio.to_thread(kept) == [0, 1]
+    await fake_worker.reply(first, replies[2])
+    await slow
+    assert await eventually(lambda: _is_zero(fake_worker, first.reply_to))
 
 
 async def _is_zero(fake_worker: FakeWorker, key: str) -> bool:

@@ -4,6 +4,7 @@ request with choices to check the takeover resumes each choice once."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -14,11 +15,20 @@ import redis
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.model_loader import load_model
-from protocol import STOP_STRING, CancelMessage, Keys, ReplyMessage, RequestMessage
+from protocol import (
+    STOP_STRING,
+    WORKER_GROUP,
+    CancelMessage,
+    Keys,
+    ReplyMessage,
+    RequestMessage,
+    encode_replies,
+)
 from protocol.sampling import SamplingParams
 from tests.service.test_worker_service import REPLIES, Replies, pending_ids
 from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
 from worker.redis_io import published_history, resumed_outputs
+from worker.service import HISTORY_LOST_SEQ
 
 KEYS = Keys()
 MODEL = "tiny-random"
@@ -196,4 +206,26 @@ def test_a_killed_worker_s_choices_are_resumed_once_each(server):
         assert got == want[index] and len(got) > 30
         text = tokenizer.decode(got, skip_special_tokens=True)  # the grammar may end at EOS
         assert set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
+    assert pending_ids(r) == []
+
+
+def test_a_takeover_whose_reply_history_has_a_gap_ends_with_an_error(server):
+    """A dead worker's request whose reply stream lost its first reply cannot be continued
+    exactly: the heir ends it with an error its gateway will deliver (never repeat or skip)."""
+    r = server.client()
+    r.delete(REPLIES)
+    replies = Replies(r)
+    with contextlib.suppress(redis.ResponseError):  # the module's workers made it
+        r.xgroup_create(KEYS.requests, WORKER_GROUP, id="0", mkstream=True)
+    send(r, "gap", SamplingParams(max_tokens=50, seed=1, ignore_eos=True))
+    r.xreadgroup(WORKER_GROUP, "ghost", {KEYS.requests: ">"}, count=1)  # held by a dead worker
+    r.xadd(REPLIES, encode_replies([ReplyMessage("gap", 1, [7])]))  # seq 0 is gone
+    heir = start_worker(server, "heir-gap")
+    try:
+        wait_ready(r, heir)
+        final = replies.wait("gap")["gap"]
+    finally:
+        heir.proc.stop()
+    assert final.finish_reason == "error" and "could not be recovered" in (final.error or "")
+    assert final.seq == HISTORY_LOST_SEQ
     assert pending_ids(r) == []

@@ -100,7 +100,7 @@ KEY_SERIES: tuple[KeySeries, ...] = (
             Line("running", "sum(jitney_requests_running{sel})"),
             Line("waiting (read by a worker)", "sum(jitney_requests_waiting{sel})"),
             # Every gateway reports the same stream-wide value: max, not sum.
-            Line("queue lag (in the stream)", "max(jitney_queue_lag)"),
+            Line("queue lag (in the streams)", "sum(max by (model) (jitney_queue_lag))"),
         ),
     ),
     KeySeries(

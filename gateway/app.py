@@ -130,7 +130,8 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "not_ready", "reason": "shutting down"}, status=503)
     try:
         async with asyncio.timeout(gw.config.redis_timeout_s):
-            await gw.redis.ping()
+            # A key's round trip, not PING: on a cluster PING goes to every node, and a node
+            # of another shard being down must not make this deployment unready.
             live = await gw.redis.zcount(gw.keys.workers, time.time() - HEARTBEAT_TTL_S, "+inf")
     except (RedisError, OSError, TimeoutError):
         return web.json_response({"status": "not_ready", "reason": "redis unavailable"}, status=503)
@@ -174,12 +175,14 @@ async def list_models(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
-        backlog = await gw.backlog.reading()
-        gw.metrics.queue_lag.set(backlog.lag)
-        gw.metrics.queue_pending.set(backlog.pending)
+        for model, backlog in (await gw.backlogs()).items():
+            gw.metrics.queue_lag.labels(model).set(backlog.lag)
+            gw.metrics.queue_pending.labels(model).set(backlog.pending)
     except (RedisError, OSError):
         pass  # keep the last values: /metrics must answer while Redis is down
     gw.metrics.queued_prompt_tokens.set(gw.router.queued_prompt_tokens)
+    for priority, waiting in gw.router.waiting_by_priority.items():
+        gw.metrics.waiting_requests.labels(str(priority)).set(waiting)
     return web.Response(body=gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

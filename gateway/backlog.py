@@ -1,11 +1,13 @@
-"""Backpressure: refuse new work (429) while the request stream's backlog is over its bounds.
+"""Backpressure: refuse new work (429) while a model's request stream is over its bounds.
 
-Two bounds, both shared by all gateways, checked before XADD:
+One monitor per served model (each has its own stream and counter). Two bounds, both shared by
+all gateways, checked before XADD:
 - entries not yet delivered to any worker: the `workers` group's `lag` (XINFO GROUPS, Redis 7+);
-- prompt tokens of those entries: the `{p}:queued_tokens` counter, raised by a gateway in the
-  same MULTI as its XADD and lowered by the worker that reads the entries. A worker killed between
-  its read and its decrement would leave the counter too high for good, so whenever a reading
-  finds the queue empty the counter is reset to 0 (atomically, in a script that checks the lag).
+- prompt tokens of those entries: the `{p}:queued_tokens:{model}` counter, raised by a gateway
+  in the same MULTI as its XADD and lowered by the worker that reads the entries. A worker killed
+  between its read and its decrement would leave the counter too high for good, so whenever a
+  reading finds the queue empty the counter is reset to 0 (atomically, in a script that checks
+  the lag).
 The reading is reused for `cache_s` so the check costs nothing under load; entries and tokens
 this gateway added since the reading are counted on top, so a burst inside one cache window
 cannot overshoot the bounds.
@@ -61,13 +63,16 @@ class BacklogMonitor:
         self,
         redis: aioredis.Redis,
         keys: Keys,
-        max_queue_len: int,
-        max_queued_tokens: int,
+        model: str,
+        max_queue_len: int = 0,
+        max_queued_tokens: int = 0,
         retry_after_s: int = 1,
         cache_s: float = 0.1,
     ):
         self.redis = redis
-        self.keys = keys
+        self.model = model
+        self.requests = keys.requests(model)
+        self.queued_tokens = keys.queued_tokens(model)
         self.max_queue_len = max_queue_len
         self.max_queued_tokens = max_queued_tokens
         self.retry_after_s = retry_after_s
@@ -84,7 +89,7 @@ class BacklogMonitor:
     async def ensure_group(self) -> None:
         """Create the consumer group at id 0, so nothing enqueued before any worker is skipped."""
         try:
-            await self.redis.xgroup_create(self.keys.requests, WORKER_GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(self.requests, WORKER_GROUP, id="0", mkstream=True)
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -111,8 +116,8 @@ class BacklogMonitor:
         """XADD the request and count its prompt tokens as queued, atomically. No MAXLEN:
         trimming the request stream could delete unread requests."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.keys.requests, message.encode())
-        pipe.incrby(self.keys.queued_tokens, len(message.prompt_token_ids))
+        pipe.xadd(self.requests, message.encode())
+        pipe.incrby(self.queued_tokens, len(message.prompt_token_ids))
         entry_id, _ = await pipe.execute()
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
@@ -150,25 +155,25 @@ class BacklogMonitor:
         enqueued_before = self._enqueued_since_reading
         tokens_before = self._tokens_since_reading
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xinfo_groups(self.keys.requests)
-        pipe.get(self.keys.queued_tokens)
+        pipe.xinfo_groups(self.requests)
+        pipe.get(self.queued_tokens)
         try:
             groups, tokens = await pipe.execute()
         except ResponseError:  # no stream at all (e.g. Redis restarted empty): recreate it
             await self.ensure_group()
-            groups, tokens = await self.redis.xinfo_groups(self.keys.requests), 0
+            groups, tokens = await self.redis.xinfo_groups(self.requests), 0
         group = next((g for g in groups if _field(g, "name") == WORKER_GROUP), None)
         queued_tokens = max(int(tokens or 0), 0)
         if group is None:
             await self.ensure_group()
-            lag, pending = await self.redis.xlen(self.keys.requests), 0
+            lag, pending = await self.redis.xlen(self.requests), 0
         else:
             lag = _field(group, "lag")
             if lag is None:  # Redis cannot say after some deletions: count, up to the bound
                 lag = await self._count_undelivered(_field(group, "last-delivered-id"))
             lag, pending = int(lag), int(_field(group, "pending") or 0)
         if lag == 0 and queued_tokens > 0:
-            keys = [self.keys.requests, self.keys.queued_tokens]
+            keys = [self.requests, self.queued_tokens]
             await self._reset_if_empty(keys=keys, args=[WORKER_GROUP])
             queued_tokens = 0
         backlog = Backlog(lag, pending, queued_tokens)
@@ -181,6 +186,30 @@ class BacklogMonitor:
 
     async def _count_undelivered(self, last_delivered_id: str) -> int:
         entries = await self.redis.xrange(
-            self.keys.requests, min=f"({last_delivered_id}", count=self.max_queue_len + 1
+            self.requests, min=f"({last_delivered_id}", count=self.max_queue_len + 1
         )
         return len(entries)
+
+
+class ModelBacklogs:
+    """One BacklogMonitor per model's request stream, made on first use."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, **bounds: Any):
+        self.redis = redis
+        self.keys = keys
+        self.bounds = bounds  # BacklogMonitor's keyword arguments (bounds, caching)
+        self._monitors: dict[str, BacklogMonitor] = {}
+
+    def __getitem__(self, model: str) -> BacklogMonitor:
+        monitor = self._monitors.get(model)
+        if monitor is None:
+            monitor = BacklogMonitor(self.redis, self.keys, model, **self.bounds)
+            self._monitors[model] = monitor
+        return monitor
+
+    async def read(self, max_age_s: float | None = None) -> dict[str, Backlog]:
+        """The backlog of every model with a card and of every model enqueued to here."""
+        models = {name.decode() for name in await self.redis.smembers(self.keys.models)}
+        names = sorted(models | set(self._monitors))
+        readings = await asyncio.gather(*(self[name].reading(max_age_s) for name in names))
+        return dict(zip(names, readings, strict=True))

@@ -108,10 +108,11 @@ class BatchRunner:
 
     async def _start_lines(self, batches: list[Batch]) -> None:
         seen = self.enqueued  # lines enqueued after this may be missing from the reading
-        backlog = await self.gw.backlog.reading(max_age_s=0)
+        # Every model's unread entries: a conservative bound when the lines name several models.
+        lag = sum(b.lag for b in (await self.gw.backlogs(max_age_s=0)).values())
         unseen = self.starting + self.enqueued - seen
         room = min(
-            self.config.batch_max_queued - backlog.lag - unseen,
+            self.config.batch_max_queued - lag - unseen,
             self.config.batch_concurrency - len(self.running),
         )
         for batch in batches:

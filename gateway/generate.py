@@ -133,7 +133,8 @@ async def submit(
     """Steps 4-6: admit (429), enqueue, then `deliver` the replies (HTTP body or stream, or a
     batch line's body). Leaving before the final reply cancels the work."""
     parsed, prompt_ids, sampling = job.parsed, job.prompt_ids, job.sampling
-    await gw.backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
+    backlog = gw.backlog(job.model.name)
+    await backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
 
     responder = Responder(job.kind, job.model.name, parsed.include_usage, id=request_id)
     now = time.time()
@@ -150,20 +151,28 @@ async def submit(
         priority=priority,
         key_id=key_id,
     )
-    in_flight = gw.router.register(responder.request_id, len(prompt_ids))
+    in_flight = gw.router.register(responder.request_id, len(prompt_ids), priority)
     choices = _choices(job.model, parsed, prompt_ids, sampling, keep=not parsed.stream)
     relay = Relay(gw, in_flight, job.model, responder, choices, len(prompt_ids), received)
     enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
     try:
         try:
-            in_flight.entry_id = await gw.backlog.enqueue(message)
+            in_flight.request_stream = backlog.requests
+            in_flight.entry_id = await backlog.enqueue(message)
         except RedisError:
             enqueued = False
-            gw.backlog.release(len(prompt_ids))
+            backlog.release(len(prompt_ids))
             raise redis_unavailable() from None
         return await deliver(relay)
     finally:
         gw.router.unregister(responder.request_id)
+        if enqueued:  # what the key used, finished or not (tenants' shares, billing)
+            used = relay.usage()
+            tokens = gw.metrics.key_tokens
+            tokens.labels(key_id or "-", job.model.name, "prompt").inc(used["prompt_tokens"])
+            tokens.labels(key_id or "-", job.model.name, "completion").inc(
+                used["completion_tokens"]
+            )
         if enqueued and not relay.finished:  # stop string, client gone, timeout: stop the work
             reason = STOP_STRING if relay.complete else "client_gone"
             gw.cancel_later(responder.request_id, reason)

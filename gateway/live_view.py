@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway.backlog import BacklogMonitor
+from gateway.backlog import Backlog
 from gateway.generate import GATEWAY
 from protocol import HEARTBEAT_TTL_S, Keys, ProtocolError
 from protocol.snapshot import SNAPSHOT_INTERVAL_S, BatchSnapshot
@@ -35,7 +36,8 @@ PAGE = Path(__file__).parent / "static" / "live.html"
 class LiveFeed:
     redis: aioredis.Redis
     keys: Keys
-    backlog: BacklogMonitor
+    # Every served model's backlog (Gateway.backlogs), read together.
+    backlogs: Callable[..., Awaitable[dict[str, Backlog]]]
     max_age_s: float = SNAPSHOT_INTERVAL_S / 2
     _frame: dict[str, Any] | None = None
     _read_at: float = -float("inf")
@@ -55,7 +57,7 @@ class LiveFeed:
             live = await self.redis.zrangebyscore(self.keys.workers, now - HEARTBEAT_TTL_S, "+inf")
             names = sorted(w.decode() if isinstance(w, bytes) else w for w in live)
             raw = await self.redis.mget([self.keys.live_batch(w) for w in names]) if names else []
-            backlog = await self.backlog.reading(max_age_s=self.max_age_s)
+            backlogs = await self.backlogs(max_age_s=self.max_age_s)
         except (RedisError, OSError, TimeoutError) as e:
             return {"time": now, "error": f"redis unavailable ({type(e).__name__})", "workers": []}
         workers = []
@@ -68,7 +70,11 @@ class LiveFeed:
                 log.debug("unreadable live snapshot worker=%s", name)
         return {
             "time": now,
-            "queue": {"lag": backlog.lag, "pending": backlog.pending},
+            "queue": {
+                "lag": sum(b.lag for b in backlogs.values()),
+                "pending": sum(b.pending for b in backlogs.values()),
+                "models": {m: {"lag": b.lag, "pending": b.pending} for m, b in backlogs.items()},
+            },
             "workers": workers,
         }
 
@@ -107,6 +113,6 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 def setup_live_view(app: web.Application) -> None:
     gw = app[GATEWAY]
-    app[LIVE_FEED] = LiveFeed(gw.redis, gw.keys, gw.backlog)
+    app[LIVE_FEED] = LiveFeed(gw.redis, gw.keys, gw.backlogs)
     app.router.add_get("/ui", page)
     app.router.add_get("/ui/events", events)

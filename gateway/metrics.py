@@ -22,17 +22,32 @@ class GatewayMetrics:
         )
         self.queue_lag = Gauge(
             "jitney_queue_lag",
-            "Request stream entries not yet delivered to any worker",
+            "Request stream entries not yet delivered to any worker, per model",
+            ["model"],
             registry=r,
         )
         self.queue_pending = Gauge(
             "jitney_queue_pending",
-            "Request stream entries delivered to a worker, not acked",
+            "Request stream entries delivered to a worker, not acked, per model",
+            ["model"],
             registry=r,
         )
         self.queued_prompt_tokens = Gauge(
             "jitney_gateway_queued_prompt_tokens",
             "Prompt tokens this gateway enqueued that no worker has started",
+            registry=r,
+        )
+        self.waiting_requests = Gauge(
+            "jitney_gateway_waiting_requests",
+            "Requests this gateway enqueued that no worker has started, by priority",
+            ["priority"],
+            registry=r,
+        )
+        self.key_tokens = Counter(
+            "jitney_key_tokens",
+            "Tokens of finished requests by API key id ('-': no auth) and model; kind is "
+            "prompt or completion",
+            ["key_id", "model", "kind"],
             registry=r,
         )
         self.ttft = Histogram(

@@ -1,7 +1,7 @@
 """The models this gateway can serve: ModelCards from Redis, with a tokenizer rebuilt per card.
 
-A model is served while its card exists and a worker heartbeat is fresh (the protocol does not
-say which worker serves which model, so liveness is per deployment, see the note in the report).
+A model is served while its card exists and a worker serving it has a fresh heartbeat (each
+worker heartbeats into its model's `{p}:model_workers:{model}` set too).
 Cards are found by a background scan and on a miss (so a worker that just started is found at
 once); each is re-read every `card_refresh_s` (a tokenizer JSON can be megabytes) and its
 tokenizer rebuilt only when the card changed.
@@ -91,9 +91,9 @@ class ServedModel:
 
 
 class ModelRegistry:
-    """Liveness (one ZCOUNT) is re-read at most every `live_s` on the request path; the card
-    scan (the `{p}:models` set, then each card's hash) runs in the background every `scan_s`,
-    and on a miss at most every `miss_rescan_s`."""
+    """Liveness (one ZCOUNT per model, pipelined) is re-read at most every `live_s` on the
+    request path; the card scan (the `{p}:models` set, then each card's hash) runs in the
+    background every `scan_s`, and on a miss at most every `miss_rescan_s`."""
 
     def __init__(
         self,
@@ -113,11 +113,10 @@ class ModelRegistry:
         self.scan_s = scan_s
         self.miss_rescan_s = miss_rescan_s
         self.card_refresh_s = card_refresh_s
-        # False (scale to zero): a model whose card is published is served with no live worker;
-        # its requests wait in the queue for the first one.
+        # False (scale to zero): its requests wait in the queue for the model's first worker.
         self.require_workers = require_workers
         self._models: dict[str, ServedModel] = {}
-        self._workers_live = False
+        self._live: set[str] = set()  # models with a live worker, as last read
         self._live_at = -float("inf")
         self._scanned_at = -float("inf")
         self._lock = asyncio.Lock()
@@ -133,15 +132,23 @@ class ModelRegistry:
     async def live_models(self, miss: bool = False) -> list[ServedModel]:
         """`miss`: the caller did not find what it needs, so re-read sooner (a worker may have
         just started: its heartbeat or card came after our last look)."""
-        max_age = self.miss_rescan_s if miss else self.live_s
-        if time.monotonic() - self._live_at >= max_age:
-            now = time.time()
-            live = await self.redis.zcount(self.keys.workers, now - HEARTBEAT_TTL_S, "+inf")
-            self._workers_live, self._live_at = live > 0, time.monotonic()
-        serving = self._workers_live or not self.require_workers
-        miss = miss or (serving and not self._models)
+        miss = miss or not self._models
         await self._rescan_if_older_than(self.miss_rescan_s if miss else self.scan_s * 2)
-        return sorted(self._models.values(), key=lambda m: m.name) if serving else []
+        if time.monotonic() - self._live_at >= (self.miss_rescan_s if miss else self.live_s):
+            names = list(self._models)
+            now = time.time()
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.zcount(self.keys.model_workers(name), now - HEARTBEAT_TTL_S, "+inf")
+            counts = await pipe.execute() if names else []
+            self._live = {name for name, n in zip(names, counts, strict=True) if n > 0}
+            self._live_at = time.monotonic()
+        # Scale to zero: a model whose card is published is served with no live worker.
+        return [m for m in self.known_models() if m.name in self._live or not self.require_workers]
+
+    def known_models(self) -> list[ServedModel]:
+        """Every model with a card, live or not, by name."""
+        return sorted(self._models.values(), key=lambda m: m.name)
 
     async def resolve(self, name: str | None) -> ServedModel:
         """The model a request names; `None` means the only one served."""

@@ -7,7 +7,8 @@ Invariants:
 - what was read is trimmed away (XTRIM MINID) except the replies of requests still in flight:
   the stream is also the record a worker taking a request over continues from (the replies
   already published for it), so it holds the in-flight requests' replies and nothing older;
-- `queued_prompt_tokens` counts prompt tokens of requests no worker has started (no reply yet);
+- `queued_prompt_tokens` counts prompt tokens of requests no worker has started (no reply yet),
+  and `waiting_by_priority` those requests by priority;
 - after a Redis outage, a request no worker had started whose entry is gone from the request
   stream (Redis came back empty) ends with a final "abort": its client gets a clear 503 at once
   instead of waiting for a reply that cannot come. Started ones go on: their worker still has
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,7 +44,9 @@ class InFlight:
     queue: asyncio.Queue[ReplyMessage] = field(default_factory=asyncio.Queue)
     next_seq: int = 0  # replies with seq < next_seq were delivered already
     started: bool = False  # a reply arrived: a worker has it, it is no longer queued
+    priority: int = 0
     entry_id: str | None = None  # its request stream entry, once XADD returned
+    request_stream: str = ""  # the stream that entry is in (its model's)
 
 
 def next_stream_id(entry_id: str) -> str:
@@ -52,10 +56,9 @@ def next_stream_id(entry_id: str) -> str:
 
 
 class ReplyRouter:
-    def __init__(self, redis: aioredis.Redis, stream: str, requests: str, block_ms: int):
+    def __init__(self, redis: aioredis.Redis, stream: str, block_ms: int):
         self.redis = redis
         self.stream = stream
-        self.requests = requests  # the request stream, to find requests lost in an outage
         self.block_ms = block_ms
         self._in_flight: dict[str, InFlight] = {}
         self._last_id = "0-0"
@@ -65,6 +68,8 @@ class ReplyRouter:
         self._retained: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self.queued_prompt_tokens = 0
+        # Kept at 0 once seen, so a priority's gauge drops to 0 rather than vanishing.
+        self.waiting_by_priority: Counter[int] = Counter()
         self.num_duplicates = 0
         self.on_duplicate: Callable[[], None] = lambda: None  # metrics hook
         self.num_orphans = 0  # replies for requests nobody waits for (client gone)
@@ -75,17 +80,23 @@ class ReplyRouter:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def register(self, request_id: str, prompt_tokens: int) -> InFlight:
-        entry = InFlight(request_id, prompt_tokens)
+    def register(self, request_id: str, prompt_tokens: int, priority: int = 0) -> InFlight:
+        entry = InFlight(request_id, prompt_tokens, priority=priority)
         self._in_flight[request_id] = entry
         self.queued_prompt_tokens += prompt_tokens
+        self.waiting_by_priority[priority] += 1
         return entry
 
     def unregister(self, request_id: str) -> None:
         self._retained.pop(request_id, None)
         entry = self._in_flight.pop(request_id, None)
         if entry is not None and not entry.started:
-            self.queued_prompt_tokens -= entry.prompt_tokens
+            self._started(entry)
+
+    def _started(self, entry: InFlight) -> None:
+        """It no longer waits (a worker started it, or it ended before that)."""
+        self.queued_prompt_tokens -= entry.prompt_tokens
+        self.waiting_by_priority[entry.priority] -= 1
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="jitney-reply-reader")
@@ -147,7 +158,7 @@ class ReplyRouter:
             return
         pipe = self.redis.pipeline(transaction=False)
         for entry in waiting:
-            pipe.xrange(self.requests, entry.entry_id, entry.entry_id, count=1)
+            pipe.xrange(entry.request_stream, entry.entry_id, entry.entry_id, count=1)
         found = await pipe.execute()
         missing = [entry for entry, entries in zip(waiting, found, strict=True) if not entries]
         if not missing:
@@ -201,5 +212,5 @@ class ReplyRouter:
         entry.next_seq = reply.seq + 1
         if not entry.started:
             entry.started = True
-            self.queued_prompt_tokens -= entry.prompt_tokens
+            self._started(entry)
         entry.queue.put_nowait(reply)

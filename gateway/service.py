@@ -20,7 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
-from gateway.backlog import BacklogMonitor
+from gateway.backlog import Backlog, BacklogMonitor, ModelBacklogs
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
@@ -63,17 +63,15 @@ class Gateway:
         self.redis = redis or make_redis(config)
         self.metrics = GatewayMetrics()
         self.reply_stream = self.keys.replies(config.gateway_id)
-        self.router = ReplyRouter(
-            self.redis, self.reply_stream, self.keys.requests, config.reply_block_ms
-        )
+        self.router = ReplyRouter(self.redis, self.reply_stream, config.reply_block_ms)
         self.router.on_duplicate = self.metrics.duplicate_replies.inc
-        self.backlog = BacklogMonitor(
+        self._backlogs = ModelBacklogs(
             self.redis,
             self.keys,
-            config.max_queue_len,
-            config.max_queued_tokens,
-            config.retry_after_s,
-            config.backlog_cache_s,
+            max_queue_len=config.max_queue_len,
+            max_queued_tokens=config.max_queued_tokens,
+            retry_after_s=config.retry_after_s,
+            cache_s=config.backlog_cache_s,
         )
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jitney-tokenizer")
         self.registry = ModelRegistry(
@@ -90,7 +88,6 @@ class Gateway:
     async def start(self) -> None:
         try:  # Redis may be down at start: the gateway still comes up and answers 503
             await self.redis.delete(self.reply_stream)
-            await self.backlog.ensure_group()
             await self.beat()
         except RedisError as e:
             log.warning("redis unavailable at start (%s); serving 503 until it is back", e)
@@ -119,6 +116,14 @@ class Gateway:
             pass
         await self.redis.aclose()
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    def backlog(self, model: str) -> BacklogMonitor:
+        """The backpressure monitor of one model's request stream."""
+        return self._backlogs[model]
+
+    async def backlogs(self, max_age_s: float | None = None) -> dict[str, Backlog]:
+        """Each model's backlog: those with a card, and any enqueued to from here."""
+        return await self._backlogs.read(max_age_s)
 
     async def beat(self) -> None:
         now = time.time()

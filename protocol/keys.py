@@ -2,10 +2,14 @@
 
 Nothing outside `protocol/` spells a key name.
 
-Keys (prefix `jitney` by default, so several deployments can share one Redis):
-- `{p}:requests`            stream of RequestMessage; consumer group `workers`. A worker XACKs
-                            and XDELs an entry with its final reply, so the stream holds only
-                            queued and in-progress requests
+Keys (prefix `jitney` by default, so several deployments can share one Redis). `{p}` is the
+prefix as a Redis Cluster hash tag, `{jitney}`: every key of a deployment lives in one cluster
+slot, so each Lua script and MULTI touches one shard. A deployment is the unit of sharding (docs/
+scale.md); a prefix that already holds a `{tag}` is used as it is.
+- `{p}:requests:{model}`    stream of RequestMessage for one served model; consumer group
+                            `workers` (the workers serving that model). A worker XACKs and XDELs
+                            an entry with its final reply, so the stream holds only queued and
+                            in-progress requests
 - `{p}:dead`                stream of dead-lettered requests (failed MAX_DELIVERIES times)
 - `{p}:fenced:{worker}`     a flag: another worker judged this one dead and took its requests
 - `{p}:replies:{gateway}`   stream of the replies to the requests one gateway enqueued: an entry
@@ -16,10 +20,12 @@ Keys (prefix `jitney` by default, so several deployments can share one Redis):
 - `{p}:cancelled:{id}`      a flag with a TTL, so a worker can drop a queued entry before prefill
 - `{p}:workers`             sorted set worker id -> last heartbeat (unix seconds):
                             the worker's lease on the requests it holds
+- `{p}:model_workers:{model}` sorted set worker id -> last heartbeat, of that model's workers
+                            (gateways serve a model only while one of its workers is live)
 - `{p}:gateways`            sorted set gateway id -> last heartbeat (unix seconds)
 - `{p}:models`              set of the model names with a published card
 - `{p}:model:{name}`        hash: ModelCard published by the workers serving that model
-- `{p}:queued_tokens`       prompt tokens of entries no worker has read yet (all gateways)
+- `{p}:queued_tokens:{model}` prompt tokens of that model's entries no worker has read yet
 - `{p}:live:{worker}`       a worker's live batch view (protocol/snapshot.py), JSON, expiring
                             with its lease (HEARTBEAT_TTL_S)
 - `{p}:ratelimit:{key_id}`  a token bucket per API key (gateway rate limits)
@@ -42,7 +48,8 @@ Delivery is at-least-once, so a gateway drops a reply whose seq it has already d
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -80,72 +87,79 @@ def redacted(url: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "jitney"
+    # The prefix as a cluster hash tag (see the module docstring); computed once.
+    tag: str = field(init=False)
 
-    @property
-    def requests(self) -> str:
-        return f"{self.prefix}:requests"
+    def __post_init__(self) -> None:
+        tagged = re.search(r"\{[^}]+\}", self.prefix) is not None
+        object.__setattr__(self, "tag", self.prefix if tagged else f"{{{self.prefix}}}")
+
+    def requests(self, model: str) -> str:
+        return f"{self.tag}:requests:{model}"
 
     def replies(self, gateway_id: str) -> str:
-        return f"{self.prefix}:replies:{gateway_id}"
+        return f"{self.tag}:replies:{gateway_id}"
 
     @property
     def cancels(self) -> str:
-        return f"{self.prefix}:cancels"
+        return f"{self.tag}:cancels"
 
     def cancelled(self, request_id: str) -> str:
-        return f"{self.prefix}:cancelled:{request_id}"
+        return f"{self.tag}:cancelled:{request_id}"
 
     @property
     def workers(self) -> str:
-        return f"{self.prefix}:workers"
+        return f"{self.tag}:workers"
+
+    def model_workers(self, model: str) -> str:
+        return f"{self.tag}:model_workers:{model}"
 
     @property
     def gateways(self) -> str:
-        return f"{self.prefix}:gateways"
+        return f"{self.tag}:gateways"
 
     @property
     def models(self) -> str:
-        return f"{self.prefix}:models"
+        return f"{self.tag}:models"
 
     def model(self, name: str) -> str:
-        return f"{self.prefix}:model:{name}"
+        return f"{self.tag}:model:{name}"
 
     @property
     def dead_letters(self) -> str:
-        return f"{self.prefix}:dead"
+        return f"{self.tag}:dead"
 
     def fenced(self, worker_id: str) -> str:
-        return f"{self.prefix}:fenced:{worker_id}"
+        return f"{self.tag}:fenced:{worker_id}"
 
-    @property
-    def queued_tokens(self) -> str:
-        return f"{self.prefix}:queued_tokens"
+    def queued_tokens(self, model: str) -> str:
+        return f"{self.tag}:queued_tokens:{model}"
 
     def live_batch(self, worker_id: str) -> str:
-        return f"{self.prefix}:live:{worker_id}"
+        return f"{self.tag}:live:{worker_id}"
 
     def ratelimit(self, key_id: str) -> str:
-        return f"{self.prefix}:ratelimit:{key_id}"
+        return f"{self.tag}:ratelimit:{key_id}"
 
     def file(self, file_id: str) -> str:
-        return f"{self.prefix}:file:{file_id}"
+        return f"{self.tag}:file:{file_id}"
 
     def file_lines(self, file_id: str) -> str:
-        return f"{self.prefix}:file_lines:{file_id}"
+        return f"{self.tag}:file_lines:{file_id}"
 
     @property
     def batches(self) -> str:
-        return f"{self.prefix}:batches"
+        return f"{self.tag}:batches"
 
     @property
     def active_batches(self) -> str:
-        return f"{self.prefix}:batches:active"
+        return f"{self.tag}:batches:active"
 
     def batch(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch:{batch_id}"
+        return f"{self.tag}:batch:{batch_id}"
 
     def batch_leases(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch_leases:{batch_id}"
+        return f"{self.tag}:batch_leases:{batch_id}"
 
     def batch_results(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch_results:{batch_id}"
+        return f"{self.tag}:batch_results:{batch_id}"

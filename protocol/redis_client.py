@@ -7,6 +7,11 @@
   themselves (calls in between fail like any outage and are retried with backoff). The password
   is the data nodes' (Sentinels are asked without one unless JITNEY_SENTINEL_PASSWORD is set).
   `redis+sentinels://` uses TLS to the data nodes.
+- `redis+cluster://[:password@]host:port[,host:port...]`: a Redis Cluster, found from any of the
+  listed nodes; `redis+clusters://` uses TLS. A deployment's keys share one hash tag
+  (protocol.Keys), so its scripts and transactions run on one shard; a primary's failover is
+  followed like Sentinel's. The clients start while some slots are uncovered
+  (`require_full_coverage=False`): one shard down must not stop the deployments on the others.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster
+import redis.cluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import Sentinel
 
 SENTINEL_SCHEMES = ("redis+sentinel", "redis+sentinels")
+CLUSTER_SCHEMES = ("redis+cluster", "redis+clusters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +56,7 @@ def sentinel_target(url: str) -> SentinelTarget | None:
     parts = urlsplit(url)
     if parts.scheme not in SENTINEL_SCHEMES:
         return None
-    hosts = parts.netloc.rpartition("@")[2]
-    sentinels = []
-    for host in hosts.split(","):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError("a Sentinel URL lists host:port pairs, e.g. redis+sentinel://s1:26379")
-        sentinels.append((name, int(port)))
+    sentinels = _host_ports(parts.netloc, "redis+sentinel://s1:26379")
     path = [p for p in parts.path.split("/") if p]
     if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError("a Sentinel URL ends in /service or /service/db, e.g. .../mymaster/0")
@@ -63,7 +65,44 @@ def sentinel_target(url: str) -> SentinelTarget | None:
     return SentinelTarget(sentinels, path[0], db, password, parts.scheme == "redis+sentinels")
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterTarget:
+    nodes: list[tuple[str, int]]
+    password: str | None
+    tls: bool
+
+    @property
+    def client_kwargs(self) -> dict[str, Any]:
+        return {"password": self.password, "ssl": self.tls, "require_full_coverage": False}
+
+
+def _host_ports(netloc: str, example: str) -> list[tuple[str, int]]:
+    hosts = []
+    for host in netloc.rpartition("@")[2].split(","):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"the URL lists host:port pairs, e.g. {example}")
+        hosts.append((name, int(port)))
+    return hosts
+
+
+def cluster_target(url: str) -> ClusterTarget | None:
+    """The cluster form of `url`, or None for another URL. Raises ValueError if malformed."""
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        return None
+    nodes = _host_ports(parts.netloc, "redis+cluster://node1:6379,node2:6379")
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError("a Redis Cluster has only database 0")
+    password = unquote(parts.password) if parts.password else None
+    return ClusterTarget(nodes, password, parts.scheme == "redis+clusters")
+
+
 def sync_client(url: str, **kwargs: Any) -> redis.Redis:
+    cluster = cluster_target(url)
+    if cluster is not None:
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in cluster.nodes]
+        return redis.RedisCluster(startup_nodes=nodes, **cluster.client_kwargs, **kwargs)
     target = sentinel_target(url)
     if target is None:
         return redis.Redis.from_url(url, **kwargs)
@@ -74,6 +113,12 @@ def sync_client(url: str, **kwargs: Any) -> redis.Redis:
 def async_client(url: str, max_connections: int, **kwargs: Any) -> aioredis.Redis:
     """A plain URL gets a blocking pool of `max_connections` (callers wait for a connection
     instead of failing); Sentinel's pool does not block, so it gets room for a burst instead."""
+    cluster = cluster_target(url)
+    if cluster is not None:  # a pool per node, which waits for a free connection
+        nodes = [aioredis.cluster.ClusterNode(h, p) for h, p in cluster.nodes]
+        return aioredis.RedisCluster(
+            startup_nodes=nodes, max_connections=max_connections, **cluster.client_kwargs, **kwargs
+        )
     target = sentinel_target(url)
     if target is None:
         pool = aioredis.BlockingConnectionPool.from_url(

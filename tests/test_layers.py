@@ -62,13 +62,13 @@ def test_the_rule_sees_lazy_imports(tmp_path: Path) -> None:
 
 
 def _key_pattern() -> re.Pattern[str]:
-    """A key of the protocol as it would be spelled: `<prefix>:<name>` for every name Keys has."""
+    """A key of the protocol as it would be spelled: `<tag>:<name>` for every name Keys has."""
     keys = Keys("PFX")
     names = set()
     for attr in dir(Keys):
         value = getattr(keys, attr)
         key = value("X") if callable(value) and not attr.startswith("_") else value
-        if isinstance(key, str) and key.startswith("PFX:"):
+        if isinstance(key, str) and key.startswith(f"{keys.tag}:"):
             names.add(key.split(":")[1])
     assert {"requests", "replies", "cancels", "workers"} <= names
     return re.compile(r":(" + "|".join(sorted(names)) + r")(:|$)")

@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+from redis.crc import key_slot
 
 from engine.tiny_model import build_tiny_tokenizer
 from protocol import (
@@ -110,11 +111,15 @@ def test_wrong_version_or_garbage_is_refused():
         RequestMessage.decode(CancelMessage("r1").encode())  # required fields missing
 
 
-def test_key_names_share_one_prefix():
-    """Every key lives under the deployment's prefix."""
+def test_key_names_share_one_prefix_as_a_cluster_hash_tag():
+    """Every key lives under the deployment's prefix, which is a Redis Cluster hash tag: all of a
+    deployment's keys map to one slot (one shard), so its scripts never cross slots."""
     keys = Keys("tenant")
     names = [
-        keys.requests,
+        keys.requests("m"),
+        keys.requests("other"),
+        keys.queued_tokens("m"),
+        keys.model_workers("m"),
         keys.replies("g"),
         keys.cancels,
         keys.cancelled("r"),
@@ -122,7 +127,11 @@ def test_key_names_share_one_prefix():
         keys.gateways,
         keys.model("m"),
     ]
-    assert all(n.startswith("tenant:") for n in names) and len(set(names)) == len(names)
+    assert all(n.startswith("{tenant}:") for n in names) and len(set(names)) == len(names)
+    assert len({key_slot(n.encode()) for n in names}) == 1
+    assert key_slot(Keys("other").workers.encode()) != key_slot(keys.workers.encode())
+    # A prefix that names its own tag keeps it (several prefixes on one chosen slot).
+    assert Keys("{shard-a}:tenant").workers == "{shard-a}:tenant:workers"
 
 
 def test_model_card_rebuilds_the_same_tokenizer():

@@ -72,12 +72,16 @@ return 1
 # The heartbeat renews the lease only while not fenced: a fenced worker must not look alive
 # until it has handed back what it still holds. It also says whether the model card exists (a
 # Redis restart loses it): one call, not a pipeline (a pipeline of scripts costs a SCRIPT EXISTS
-# round trip first). KEYS: fence flag, workers, model card. ARGV: worker id, now.
+# round trip first). The lease is renewed in the model's worker set too (what gateways check to
+# serve the model); ids an hour stale leave it (ids are per process: the set would only grow).
+# KEYS: fence flag, workers, model card, model workers. ARGV: worker id, now.
 # Returns {renewed (1) or fenced (0), card exists (1|0)}.
 _HEARTBEAT = """
 local has_card = redis.call('EXISTS', KEYS[3])
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, has_card} end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[2] - 3600)
 return {1, has_card}
 """
 
@@ -157,28 +161,34 @@ def published_history(replies: Sequence[ReplyMessage]) -> list[ReplyMessage] | N
 
 
 class WorkerRedis:
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str):
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, model: str):
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
+        # The served model's request stream: only the workers serving a model read its stream.
+        self.requests = keys.requests(model)
+        self.model_workers = keys.model_workers(model)
+        self.queued_tokens = keys.queued_tokens(model)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._publish = client.register_script(_PUBLISH)
 
     @classmethod
-    def connect(cls, url: str, keys: Keys, worker_id: str, idle_block_ms: int) -> WorkerRedis:
+    def connect(
+        cls, url: str, keys: Keys, worker_id: str, model: str, idle_block_ms: int
+    ) -> WorkerRedis:
         client = sync_client(
             url,
             socket_timeout=idle_block_ms / 1000 + SOCKET_TIMEOUT_MARGIN_S,
             socket_connect_timeout=2.0,
         )
-        return cls(client, keys, worker_id)
+        return cls(client, keys, worker_id, model)
 
     # ----- joining and leaving -------------------------------------------------------------
     def ensure_group(self) -> None:
         """Create the consumer group (and the stream). From id 0: entries a gateway queued
         before any worker existed are served, not skipped."""
         try:
-            self.client.xgroup_create(self.keys.requests, WORKER_GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.requests, WORKER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -192,7 +202,12 @@ class WorkerRedis:
     def heartbeat(self, card: ModelCard) -> bool:
         """Renew this worker's lease; publish the model card if it is missing (a Redis restart
         lost it). One round trip unless the card is missing. False: this worker is fenced."""
-        keys = [self.keys.fenced(self.worker_id), self.keys.workers, self.keys.model(card.name)]
+        keys = [
+            self.keys.fenced(self.worker_id),
+            self.keys.workers,
+            self.keys.model(card.name),
+            self.model_workers,
+        ]
         renewed, has_card = self._heartbeat(keys=keys, args=[self.worker_id, time.time()])
         if not has_card:
             self.publish_card(card)
@@ -225,7 +240,7 @@ class WorkerRedis:
         for retry, ids in counts.items():
             # JUSTID leaves the count alone unless RETRYCOUNT sets it.
             pipe.xclaim(
-                self.keys.requests,
+                self.requests,
                 WORKER_GROUP,
                 RELEASED_CONSUMER,
                 0,
@@ -240,7 +255,7 @@ class WorkerRedis:
     def _own_pending(self) -> dict[str, int]:
         """This consumer's pending entries -> their delivery counts."""
         pending = self.client.xpending_range(
-            self.keys.requests, WORKER_GROUP, "-", "+", 100_000, consumername=self.worker_id
+            self.requests, WORKER_GROUP, "-", "+", 100_000, consumername=self.worker_id
         )
         return {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
 
@@ -248,7 +263,10 @@ class WorkerRedis:
         self.client.delete(self.keys.fenced(self.worker_id))
 
     def leave(self) -> None:
-        self.client.zrem(self.keys.workers, self.worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrem(self.keys.workers, self.worker_id)
+        pipe.zrem(self.model_workers, self.worker_id)
+        pipe.execute()
 
     # ----- the loop ------------------------------------------------------------------------
     def read_cancels(self, after: str) -> list[Entry]:
@@ -259,7 +277,7 @@ class WorkerRedis:
         """Up to `count` new entries for this consumer; block only when `block_ms` is set."""
         try:
             reply = self.client.xreadgroup(
-                WORKER_GROUP, self.worker_id, {self.keys.requests: ">"}, count=count, block=block_ms
+                WORKER_GROUP, self.worker_id, {self.requests: ">"}, count=count, block=block_ms
             )
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
@@ -273,7 +291,7 @@ class WorkerRedis:
         which of them were cancelled while queued (one round trip)."""
         pipe = self.client.pipeline(transaction=False)
         if prompt_tokens:
-            pipe.decrby(self.keys.queued_tokens, prompt_tokens)
+            pipe.decrby(self.queued_tokens, prompt_tokens)
         for request_id in request_ids:
             pipe.exists(self.keys.cancelled(request_id))
         flags = pipe.execute()
@@ -290,7 +308,7 @@ class WorkerRedis:
             args += ["R", stream, int(stream in outbox.gone_streams), fields["v"], fields["b"]]
         for entry_id in outbox.acks:
             args += ["A", entry_id]
-        keys = [self.keys.fenced(self.worker_id), self.keys.requests]
+        keys = [self.keys.fenced(self.worker_id), self.requests]
         return bool(self._publish(keys=keys, args=args))
 
     # ----- taking over orphaned work -------------------------------------------------------
@@ -298,7 +316,7 @@ class WorkerRedis:
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         pipe.zrangebyscore(self.keys.workers, now - lease_s, "+inf")
-        pipe.xinfo_consumers(self.keys.requests, WORKER_GROUP)
+        pipe.xinfo_consumers(self.requests, WORKER_GROUP)
         pipe.zrange(self.keys.gateways, 0, -1, withscores=True)
         try:
             live, consumers, gateways = pipe.execute()
@@ -319,15 +337,14 @@ class WorkerRedis:
         for consumer in consumers:
             pipe.set(self.keys.fenced(consumer), 1, ex=FENCE_TTL_S)
             pipe.zrem(self.keys.workers, consumer)
+            pipe.zrem(self.model_workers, consumer)  # consumers of our group serve our model
         pipe.execute()
 
     def orphans(self, consumers: Sequence[str], count: int) -> list[Orphan]:
         """Up to `count` of each consumer's pending entries, oldest first."""
         pipe = self.client.pipeline(transaction=False)
         for consumer in consumers:
-            pipe.xpending_range(
-                self.keys.requests, WORKER_GROUP, "-", "+", count, consumername=consumer
-            )
+            pipe.xpending_range(self.requests, WORKER_GROUP, "-", "+", count, consumername=consumer)
         found = [
             Orphan(_text(p["message_id"]), consumer, int(p["times_delivered"]))
             for consumer, pending in zip(consumers, pipe.execute(), strict=True)
@@ -343,7 +360,7 @@ class WorkerRedis:
             return []
         times = {o.entry_id: o.times_delivered for o in orphans}
         got = self.client.xclaim(
-            self.keys.requests,
+            self.requests,
             WORKER_GROUP,
             self.worker_id,
             min_idle_ms,
@@ -352,7 +369,7 @@ class WorkerRedis:
         entries = [Entry(_text(i), fields) for i, fields in got if fields]
         gone = [_text(i) for i, fields in got if not fields]  # deleted: nothing to serve
         if gone:
-            self.client.xack(self.keys.requests, WORKER_GROUP, *gone)
+            self.client.xack(self.requests, WORKER_GROUP, *gone)
         published = self._published([_addressing(entry.fields) for entry in entries])
         return [
             Claimed(entry, times[entry.entry_id] + 1, published.get(_request_id(entry.fields)))
@@ -395,10 +412,10 @@ class WorkerRedis:
         for consumer in consumers:
             # Only with nothing pending: DELCONSUMER drops a consumer's pending entries.
             pending = self.client.xpending_range(
-                self.keys.requests, WORKER_GROUP, "-", "+", 1, consumername=consumer
+                self.requests, WORKER_GROUP, "-", "+", 1, consumername=consumer
             )
             if not pending:
-                self.client.xgroup_delconsumer(self.keys.requests, WORKER_GROUP, consumer)
+                self.client.xgroup_delconsumer(self.requests, WORKER_GROUP, consumer)
 
 
 def _text(value: str | bytes) -> str:

@@ -23,7 +23,7 @@ import tty
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.backlog import BacklogMonitor
+from gateway.backlog import ModelBacklogs
 from gateway.live_view import LiveFeed
 from protocol import Keys, ProtocolError, redacted, redis_url
 from protocol.redis_client import async_client
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     keys = Keys(args.key_prefix)
     client = async_client(redis_url(), 2, socket_timeout=5, socket_connect_timeout=5)
-    # A reading of the backlog only: the bounds matter to admission, not here.
-    feed = LiveFeed(client, keys, BacklogMonitor(client, keys, 0, 0))
+    # A reading of the backlogs only: the bounds matter to admission, not here.
+    feed = LiveFeed(client, keys, ModelBacklogs(client, keys).read)
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
     try:
         if args.once:

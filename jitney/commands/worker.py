@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--key-prefix", default="jitney", help="Redis key prefix (deployments can share a Redis)"
     )
     p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients give in `model` (default: the --model name); it also names the "
+        "request stream this worker reads (that model's)",
+    )
+    p.add_argument(
         "--idle-block-ms",
         type=int,
         default=1000,
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     # Our own events at the chosen level; libraries (redis-py, transformers) only warn.
     logging.getLogger("jitney").setLevel(args.log_level.upper())
     from engine.llm_engine import Engine
-    from protocol import Keys, redacted, redis_url
+    from protocol import NOOP_MODEL, Keys, redacted, redis_url
     from protocol.model_card import card_from_tokenizer
     from worker.failpoints import Failpoints
     from worker.metrics import WorkerMetrics
@@ -94,21 +100,26 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(engine.capacity.table(), file=sys.stderr, flush=True)
     loaded = engine.loaded
+    served = args.served_model_name or loaded.name
+    if loaded.name == NOOP_MODEL and served != NOOP_MODEL:  # it must announce itself as noop
+        logger.error("cannot_start %s", kv(error="--model noop cannot take a served name"))
+        return 2
     card = card_from_tokenizer(
-        loaded.name, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids)
+        served, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids)
     )
-    metrics = WorkerMetrics(loaded.name, worker_id)
+    metrics = WorkerMetrics(served, worker_id)
     try:
         port = metrics.serve(args.metrics_port, vllm_names=args.vllm_metrics)
     except OSError as e:  # the port is taken: say which, no traceback
         logger.error("cannot_start %s", kv(metrics_port=args.metrics_port, error=e.strerror))
         return 2
-    io = WorkerRedis.connect(redis_url(), Keys(args.key_prefix), worker_id, args.idle_block_ms)
+    keys = Keys(args.key_prefix)
+    io = WorkerRedis.connect(redis_url(), keys, worker_id, served, args.idle_block_ms)
     logger.info(
         "worker_starting %s",
         kv(
             worker=worker_id,
-            model=loaded.name,
+            model=served,
             metrics_port=port,
             redis=redacted(redis_url()),  # no password in logs
             key_prefix=args.key_prefix,

@@ -16,6 +16,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from tests.model_dirs import write_random_llama
 from tests.services import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,27 +145,12 @@ def write_slow_model(path: Path) -> Path:
     Face directory. tiny-random decodes ~700 tokens/s here, so any request of it (at most 2048
     tokens) ends before a gateway's 5 s heartbeat can lapse; this one decodes ~60 tokens/s, so a
     long request is still running when the workers notice its gateway is dead."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.tiny_model import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    return write_random_llama(
+        path,
         hidden_size=512,
         intermediate_size=2048,
         num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=2,
         max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path

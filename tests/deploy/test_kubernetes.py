@@ -18,7 +18,7 @@ import yaml
 
 from jitney.cli import build_parser
 from protocol import WORKER_GROUP, Keys
-from protocol.redis_client import sentinel_target
+from protocol.redis_client import cluster_target, sentinel_target
 from tests.deploy.manifests import (
     K8S,
     KUSTOMIZE_ARGS,
@@ -43,7 +43,10 @@ COMPONENTS = [
     "worker-hpa",
     "scale-to-zero",
     "external-redis+sentinel",
+    "external-redis+redis-cluster",
 ]
+# The base's served model name (JITNEY_SERVED_MODEL_NAME), whose request stream KEDA watches.
+SERVED_MODEL = "smollm2-135m"
 # After --shutdown-timeout the worker keeps trying to deliver its last replies this long.
 WORKER_PUBLISH_GRACE_S = 5
 ALERT_TOPICS = {  # what the issue asks to alert on -> metric each alert must read
@@ -91,6 +94,16 @@ def test_schema_validation_catches_mistakes(built):
         validate(scaled)
 
 
+def assert_env_references_come_first(c: dict) -> None:
+    """Kubernetes expands $(VAR) only from variables defined earlier in the list; a later one is
+    left as the literal text (and kustomize's patches reorder env lists)."""
+    defined: set[str] = set()
+    for var in c.get("env", []):
+        for ref in re.findall(r"\$\(([A-Z0-9_]+)\)", var.get("value", "")):
+            assert ref in defined, f"{c['name']}: {var['name']} uses $({ref}) before it is set"
+        defined.add(var["name"])
+
+
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_optional_component_builds_and_validates(tmp_path, monkeypatch, component):
     (tmp_path / "kustomization.yaml").write_text(
@@ -107,6 +120,9 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
     docs = build(tmp_path)
     for doc in docs:
         validate(doc)
+    for name in ("jitney-gateway", "jitney-worker"):
+        for c in find(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]:
+            assert_env_references_come_first(c)
     worker = container(find(docs, "Deployment", "jitney-worker"), "worker")
     if component == "external-redis":
         assert not [
@@ -138,7 +154,33 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
         meta = trigger["metadata"]
         assert meta["addressesFromEnv"] == "REDIS_SENTINELS" and "addressFromEnv" not in meta
         assert meta["sentinelMasterFromEnv"] == "REDIS_SENTINEL_SERVICE"
-        assert meta["stream"] == Keys().requests and meta["consumerGroup"] == WORKER_GROUP
+        assert meta["stream"] == Keys().requests(SERVED_MODEL)
+        assert meta["consumerGroup"] == WORKER_GROUP
+    elif component == "external-redis+redis-cluster":
+        gateway = container(find(docs, "Deployment", "jitney-gateway"), "gateway")
+        for c in (gateway, worker):
+            url = env(c)["REDIS_URL"]
+            assert url.startswith("redis+clusters://") and "$(REDIS_CLUSTER_NODES)" in url
+            # $(VAR) expands only variables defined earlier in the list.
+            names = [x["name"] for x in c["env"]]
+            assert names.index("REDIS_URL") > max(
+                names.index("REDIS_PASSWORD"), names.index("REDIS_CLUSTER_NODES")
+            )
+            expanded = url.replace("$(REDIS_PASSWORD)", "pw").replace(
+                "$(REDIS_CLUSTER_NODES)", env(c)["REDIS_CLUSTER_NODES"]
+            )
+            target = cluster_target(expanded)  # the URL the processes will parse
+            assert target is not None and target.tls and len(target.nodes) >= 3
+            assert target.password == "pw"
+        (trigger,) = find(docs, "ScaledObject", "jitney-worker")["spec"]["triggers"]
+        assert trigger["type"] == "redis-cluster-streams"
+        meta = trigger["metadata"]
+        assert meta["addressesFromEnv"] == "REDIS_CLUSTER_NODES"
+        # A cluster has database 0 only: KEDA's cluster scaler takes neither.
+        assert "addressFromEnv" not in meta and "databaseIndex" not in meta
+        assert meta["enableTLS"] == "true"
+        assert meta["stream"] == Keys().requests(SERVED_MODEL)
+        assert meta["consumerGroup"] == WORKER_GROUP
     elif component == "scale-to-zero":
         scaled = find(docs, "ScaledObject", "jitney-worker")["spec"]
         assert scaled["minReplicaCount"] == 0 and scaled["cooldownPeriod"] >= 300
@@ -149,6 +191,11 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
     elif component == "model-pvc":
         find(docs, "PersistentVolumeClaim", "jitney-models")
         assert env(worker)["JITNEY_MODEL"].startswith("/models/")
+        # The served name and KEDA's stream change together.
+        served = env(worker)["JITNEY_SERVED_MODEL_NAME"]
+        assert served != SERVED_MODEL
+        (trigger,) = find(docs, "ScaledObject", "jitney-worker")["spec"]["triggers"]
+        assert trigger["metadata"]["stream"] == Keys().requests(served)
         assert any(m["mountPath"] == "/models" and m["readOnly"] for m in worker["volumeMounts"])
     else:  # worker-hpa: the HPA on jitney_queue_lag replaces KEDA
         assert not [d for d in docs if d["apiVersion"].startswith("keda.sh/")]
@@ -156,6 +203,8 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
         (metric,) = hpa["spec"]["metrics"]
         assert metric["type"] == "External"
         assert metric["external"]["metric"]["name"] == "jitney_queue_lag"
+        served = env(worker)["JITNEY_SERVED_MODEL_NAME"]
+        assert metric["external"]["metric"]["selector"]["matchLabels"] == {"model": served}
         assert hpa["spec"]["minReplicas"] >= 1
         adapter = yaml.safe_load(
             (K8S / "components/worker-hpa/prometheus-adapter-values.yaml").read_text()
@@ -247,12 +296,15 @@ def test_keda_scales_workers_on_the_request_stream_lag(built):
     (trigger,) = scaled["triggers"]
     meta = trigger["metadata"]
     assert trigger["type"] == "redis-streams"
-    assert meta["stream"] == Keys().requests
+    # The stream of the model the workers serve (JITNEY_SERVED_MODEL_NAME, --served-model-name).
+    worker_env = env(container(find(docs, "Deployment", "jitney-worker"), "worker"))
+    assert worker_env["JITNEY_SERVED_MODEL_NAME"] == SERVED_MODEL
+    assert "--served-model-name" in _worker_help()
+    assert meta["stream"] == Keys().requests(SERVED_MODEL)
     assert meta["consumerGroup"] == WORKER_GROUP
     assert int(meta["lagCount"]) > 0
     # The scaler reads the Redis address from the worker's own environment and the password
     # from the same Secret the workers use.
-    worker_env = env(container(find(docs, "Deployment", "jitney-worker"), "worker"))
     assert meta["addressFromEnv"] in worker_env
     auth = find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
     (ref,) = auth["spec"]["secretTargetRef"]

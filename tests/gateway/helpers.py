@@ -32,24 +32,30 @@ MODEL = "tiny"
 TOKENIZER = build_tiny_tokenizer()
 MAX_MODEL_LEN = 64
 KEYS = Keys("jitney")
+REQUESTS = KEYS.requests(MODEL)  # the request stream of MODEL
+QUEUED_TOKENS = KEYS.queued_tokens(MODEL)
 FAKE_WORKER_ID = "fake-worker"  # its heartbeat's id and its consumer name, as for a real worker
 READ_BLOCK_MS = 200  # one blocking read of the fake: short, so a wait can end between reads
 MakeClient = Callable[..., Any]  # the make_client fixture: overrides of GatewayConfig
 
 
 def publish_card(r: redis.Redis, card: ModelCard) -> None:
-    WorkerRedis(r, KEYS, FAKE_WORKER_ID).publish_card(card)
+    WorkerRedis(r, KEYS, FAKE_WORKER_ID, card.name).publish_card(card)
 
 
-def heartbeat(r: redis.Redis, worker_id: str = FAKE_WORKER_ID, at: float | None = None) -> None:
-    """A worker's lease renewed now (or `at`: a stale one); the real one is WorkerRedis.heartbeat,
-    which cannot backdate."""
-    r.zadd(KEYS.workers, {worker_id: time.time() if at is None else at})
+def heartbeat(
+    r: redis.Redis, worker_id: str = FAKE_WORKER_ID, at: float | None = None, model: str = MODEL
+) -> None:
+    """A worker's lease renewed now (or `at`: a stale one), as a worker of `model`; the real one
+    is WorkerRedis.heartbeat, which cannot backdate."""
+    beat = {worker_id: time.time() if at is None else at}
+    r.zadd(KEYS.workers, beat)
+    r.zadd(KEYS.model_workers(model), beat)
 
 
 def enqueued_total(r: redis.Redis) -> int:
     """Requests ever enqueued (its length is no count: a worker deletes what it has answered)."""
-    return int(r.xinfo_stream(KEYS.requests)["entries-added"]) if r.exists(KEYS.requests) else 0
+    return int(r.xinfo_stream(REQUESTS)["entries-added"]) if r.exists(REQUESTS) else 0
 
 
 def tokens(text: str) -> list[int]:
@@ -94,8 +100,8 @@ class FakeWorker:
         return int(request.sampling.get("n", 1))
 
     @classmethod
-    def connect(cls, url: str, worker_id: str = FAKE_WORKER_ID) -> FakeWorker:
-        return cls(WorkerRedis.connect(url, KEYS, worker_id, READ_BLOCK_MS))
+    def connect(cls, url: str, worker_id: str = FAKE_WORKER_ID, model: str = MODEL) -> FakeWorker:
+        return cls(WorkerRedis.connect(url, KEYS, worker_id, model, READ_BLOCK_MS))
 
     def close(self) -> None:
         self.io.client.close()
@@ -301,7 +307,7 @@ class AnsweringWorker(KeepHeartbeat):
 
     def __init__(self, r: redis.Redis):
         super().__init__(r)
-        self.worker = FakeWorker(WorkerRedis(r, KEYS, self.worker_id))
+        self.worker = FakeWorker(WorkerRedis(r, KEYS, self.worker_id, MODEL))
         self.answered = 0
 
     def _run(self) -> None:

@@ -9,16 +9,24 @@ import redis
 
 from gateway.config import GatewayConfig
 from protocol import WORKER_GROUP, ReplyMessage
-from tests.gateway.helpers import KEYS, FakeWorker, MakeClient, assert_openai_error, tokens
+from tests.gateway.helpers import (
+    MODEL,
+    QUEUED_TOKENS,
+    REQUESTS,
+    FakeWorker,
+    MakeClient,
+    assert_openai_error,
+    tokens,
+)
 
 BODY = {"prompt": "hello", "stream": True}
 
 
 def fill_queue(r: redis.Redis, n: int) -> None:
     """Entries nobody reads: the group exists (the gateway created it), so they count as lag."""
-    r.xgroup_create(KEYS.requests, WORKER_GROUP, id="0", mkstream=True)
+    r.xgroup_create(REQUESTS, WORKER_GROUP, id="0", mkstream=True)
     for i in range(n):
-        r.xadd(KEYS.requests, {"v": "1", "m": f'{{"junk": {i}}}'})
+        r.xadd(REQUESTS, {"v": "1", "m": f'{{"junk": {i}}}'})
 
 
 async def test_full_queue_gets_429_with_retry_after(
@@ -34,17 +42,17 @@ async def test_full_queue_gets_429_with_retry_after(
     out = await response.json()
     assert_openai_error(out)
     assert out["error"]["code"] == "queue_full" and out["error"]["type"] == "rate_limit_exceeded"
-    assert served.xlen(KEYS.requests) == 5
+    assert served.xlen(REQUESTS) == 5
     # A refusal is one cached lag reading: milliseconds. One Redis timeout is the margin for a
     # loaded 2-core machine; a refusal slower than that waited for something it should not.
     assert elapsed < GatewayConfig().redis_timeout_s
 
     # A worker reads one entry: the lag drops below the bound and a request gets in.
-    served.xreadgroup(WORKER_GROUP, "w", {KEYS.requests: ">"}, count=1)
+    served.xreadgroup(WORKER_GROUP, "w", {REQUESTS: ">"}, count=1)
     await asyncio.sleep(0.15)  # past the lag reading's cache window
     response = await client.post("/v1/completions", json=BODY)
     assert response.status == 200
-    assert served.xlen(KEYS.requests) == 6
+    assert served.xlen(REQUESTS) == 6
     response.close()
 
 
@@ -56,7 +64,7 @@ async def test_burst_cannot_overshoot_the_bound(
     responses = await asyncio.gather(*(client.post("/v1/completions", json=BODY) for _ in range(7)))
     statuses = sorted(r.status for r in responses)
     assert statuses == [200] * 3 + [429] * 4
-    assert served.xlen(KEYS.requests) == 3
+    assert served.xlen(REQUESTS) == 3
     for r in responses:
         r.close()
 
@@ -73,7 +81,7 @@ async def test_queued_prompt_tokens_bound(
     assert second.status == 429
     out = await second.json()
     assert out["error"]["code"] == "queue_full" and "8 + 3 > limit 10" in out["error"]["message"]
-    assert served.xlen(KEYS.requests) == 1
+    assert served.xlen(REQUESTS) == 1
 
     request = await fake_worker.take()  # a worker reads the first: its tokens leave the queue
     await fake_worker.reply(request, ReplyMessage(request.request_id, 0, tokens("a")))
@@ -89,7 +97,7 @@ async def test_metrics_report_queue_lag_and_pending(
 ) -> None:
     """/metrics: request counters by route and status, in-flight, lag and pending."""
     fill_queue(served, 4)
-    served.xreadgroup(WORKER_GROUP, "w", {KEYS.requests: ">"}, count=1)  # 1 pending, 3 lag
+    served.xreadgroup(WORKER_GROUP, "w", {REQUESTS: ">"}, count=1)  # 1 pending, 3 lag
     client = await make_client()
     assert (await client.get("/health")).status == 200
     response = await client.get("/metrics")
@@ -97,7 +105,8 @@ async def test_metrics_report_queue_lag_and_pending(
     text = await response.text()
     assert 'jitney_http_requests_total{route="/health",status="200"} 1.0' in text
     assert "jitney_http_in_flight 1.0" in text  # the /metrics request itself
-    assert "jitney_queue_lag 3.0" in text and "jitney_queue_pending 1.0" in text
+    labels = f'{{model="{MODEL}"}}'
+    assert f"jitney_queue_lag{labels} 3.0" in text and f"jitney_queue_pending{labels} 1.0" in text
 
 
 def _lines(text: str, prefix: str) -> list[str]:
@@ -126,10 +135,10 @@ async def test_queued_token_count_a_crashed_worker_left_heals_when_the_queue_dra
     client = await make_client(max_queued_tokens=10, backlog_cache_s=0.0)
     first = await client.post("/v1/completions", json={**BODY, "prompt": [3, 4, 5]})
     assert first.status == 200
-    served.xreadgroup(WORKER_GROUP, "killed-worker", {KEYS.requests: ">"}, count=1)  # no DECRBY
-    assert int(served.get(KEYS.queued_tokens)) == 3
+    served.xreadgroup(WORKER_GROUP, "killed-worker", {REQUESTS: ">"}, count=1)  # no DECRBY
+    assert int(served.get(QUEUED_TOKENS)) == 3
     second = await client.post("/v1/completions", json={**BODY, "prompt": list(range(3, 11))})
     assert second.status == 200  # 3 + 8 > 10 without the reset
-    assert int(served.get(KEYS.queued_tokens)) == 8
+    assert int(served.get(QUEUED_TOKENS)) == 8
     for r in (first, second):
         r.close()

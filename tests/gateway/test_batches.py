@@ -23,6 +23,7 @@ from gateway.file_store import FileStore
 from protocol import BATCH_PRIORITY, WORKER_GROUP
 from tests.gateway.helpers import (
     KEYS,
+    REQUESTS,
     AnsweringWorker,
     FakeWorker,
     MakeClient,
@@ -81,7 +82,7 @@ async def file_lines(client: Client, file_id: str) -> list[dict[str, Any]]:
 
 
 def unread(r: redis.Redis) -> int:
-    groups = r.xinfo_groups(KEYS.requests) if r.exists(KEYS.requests) else []
+    groups = r.xinfo_groups(REQUESTS) if r.exists(REQUESTS) else []
     return next((int(g["lag"]) for g in groups if g["name"] == WORKER_GROUP.encode()), 0)
 
 

@@ -31,6 +31,9 @@ from tests.gateway.helpers import (
 from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
 
 REAL_MODEL = "tiny-random"
+# Both the real worker and the fake serve REAL_MODEL (the fake takes the real card's name).
+REQUESTS = KEYS.requests(REAL_MODEL)
+QUEUED_TOKENS = KEYS.queued_tokens(REAL_MODEL)
 Play = Callable[[FakeWorker, RequestMessage], Awaitable[Any]]
 
 
@@ -69,11 +72,11 @@ class Seen:
 def leftovers(r: redis.Redis) -> dict[str, int]:
     """What a finished request must not leave behind: its entry (unacked or undeleted), queued
     prompt tokens, unread replies."""
-    pending = r.xpending(KEYS.requests, WORKER_GROUP)["pending"] if r.exists(KEYS.requests) else 0
+    pending = r.xpending(REQUESTS, WORKER_GROUP)["pending"] if r.exists(REQUESTS) else 0
     return {
-        "entries": r.xlen(KEYS.requests),
+        "entries": r.xlen(REQUESTS),
         "pending": pending,
-        "queued_tokens": int(r.get(KEYS.queued_tokens) or 0),
+        "queued_tokens": int(r.get(QUEUED_TOKENS) or 0),
         "unread_replies": sum(r.xlen(k) for k in r.scan_iter(KEYS.replies("*"))),
     }
 
@@ -145,10 +148,10 @@ async def with_fake(
     body, config, play = SCENARIOS[scenario]
     r = redis_server.client()
     publish_card(r, card)
-    heartbeat(r)
+    heartbeat(r, model=card.name)
     client = await make_client(**config)
     call = asyncio.create_task(client.post("/v1/completions", json=body))
-    fake = FakeWorker.connect(redis_server.url)
+    fake = FakeWorker.connect(redis_server.url, model=card.name)
     try:
         await play(fake, await fake.take())
         return await observe(await call, r)
@@ -166,7 +169,7 @@ async def with_real(make_client: MakeClient, real: RealWorker, scenario: str) ->
     try:
         call = asyncio.create_task(client.post("/v1/completions", json=body))
         if pause:  # enqueued, and its deadline passed, before the worker can look at it
-            await asyncio.to_thread(wait_for, lambda: r.xlen(KEYS.requests) > 0, 10, "enqueued")
+            await asyncio.to_thread(wait_for, lambda: r.xlen(REQUESTS) > 0, 10, "enqueued")
             await asyncio.sleep(config["request_timeout"] * 2)
     finally:
         if pause:
@@ -188,7 +191,7 @@ def test_fake_joins_as_the_real_worker_does(real: RealWorker, redis_server: Redi
     """publish_card and heartbeat write the keys a joined worker writes, of the same types."""
     r = redis_server.client()
     publish_card(r, real.card)
-    heartbeat(r)
+    heartbeat(r, model=real.card.name)
     real_r = real.server.client()
     written = {key: r.type(key) for key in r.scan_iter()}
     assert written.items() <= {key: real_r.type(key) for key in real_r.scan_iter()}.items()

@@ -14,6 +14,7 @@ from protocol import HEARTBEAT_TTL_S, ModelCard
 from tests.gateway.helpers import (
     KEYS,
     MAX_MODEL_LEN,
+    REQUESTS,
     FakeWorker,
     MakeClient,
     assert_openai_error,
@@ -89,7 +90,7 @@ async def test_no_live_worker_and_no_model_named(
     client = await make_client()
     response = await client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status == 503 and (await response.json())["error"]["code"] == "no_workers"
-    assert sync_redis.xlen(KEYS.requests) == 0
+    assert sync_redis.xlen(REQUESTS) == 0
 
 
 async def test_gateway_heartbeats_itself(served: redis.Redis, make_client: MakeClient) -> None:
@@ -111,7 +112,7 @@ async def test_redis_down_gives_503_then_recovers(
     """Redis stopped: 503s with an OpenAI body, fast; restarted: requests flow again."""
     client = await make_client()
     waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi"}))
-    await eventually(lambda: served.xlen(KEYS.requests) == 1)  # queued, never started
+    await eventually(lambda: served.xlen(REQUESTS) == 1)  # queued, never started
     redis_server.stop()
     start = time.monotonic()
     response = await client.post("/v1/completions", json={"prompt": "hi"})
@@ -136,23 +137,42 @@ async def test_redis_down_gives_503_then_recovers(
     assert (await response.json())["choices"][0]["text"] == "ok"
 
 
-async def test_model_may_be_omitted_only_when_one_is_served(
-    served: redis.Redis, card: ModelCard, make_client: MakeClient, fake_worker: FakeWorker
+async def test_each_model_is_served_by_its_own_workers(
+    served: redis.Redis,
+    card: ModelCard,
+    make_client: MakeClient,
+    fake_worker: FakeWorker,
+    redis_server: RedisServer,
 ) -> None:
-    """One model: `model` is optional. Two: it is required (400), and names pick the card."""
+    """Two models: `model` is required (400) and routes the request to the stream its own
+    workers read; a model whose card exists but whose workers are all gone is not served."""
     publish_card(served, replace(card, name="tiny2", max_model_len=32))
     client = await make_client()
+    out = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in out["data"]] == ["tiny"]  # no live worker serves tiny2
+    response = await client.post("/v1/completions", json={"prompt": "hi", "model": "tiny2"})
+    body = await response.json()
+    assert response.status == 404 and body["error"]["code"] == "model_not_found"
+    assert_openai_error(body, param="model")
+
+    heartbeat(served, "worker-2", model="tiny2")
+    await asyncio.sleep(1.1)  # past the re-read of liveness (live_s)
     out = await (await client.get("/v1/models")).json()
     assert [m["id"] for m in out["data"]] == ["tiny", "tiny2"]
     response = await client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status == 400 and (await response.json())["error"]["param"] == "model"
-    call = asyncio.create_task(
-        client.post("/v1/completions", json={"prompt": "hi", "model": "tiny2"})
-    )
-    request = await fake_worker.take()
-    assert request.model == "tiny2"
-    await fake_worker.answer(request, ["x"])
-    assert (await (await call).json())["model"] == "tiny2"
+    second = FakeWorker.connect(redis_server.url, "worker-2", model="tiny2")
+    try:
+        call = asyncio.create_task(
+            client.post("/v1/completions", json={"prompt": "hi", "model": "tiny2"})
+        )
+        request = await second.take()
+        assert request.model == "tiny2"
+        assert fake_worker.read(1, 100) == []  # tiny's workers never see it
+        await second.answer(request, ["x"])
+        assert (await (await call).json())["model"] == "tiny2"
+    finally:
+        second.close()
 
 
 async def test_a_worker_that_starts_later_is_found_at_once(

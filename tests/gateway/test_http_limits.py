@@ -11,7 +11,7 @@ import pytest
 
 from gateway.config import MAX_HEADER_LINE_BYTES, MAX_HEADERS
 from tests.gateway.helpers import (
-    KEYS,
+    REQUESTS,
     LiveGateway,
     assert_openai_error,
     http,
@@ -72,7 +72,7 @@ def test_header_limits_get_a_json_4xx(
     assert gateway.proc.alive()
     assert http(f"{gateway.base}/health")[0] == 200
     assert SECRET not in gateway.proc.output()
-    assert redis_server.client().xlen(KEYS.requests) == 0
+    assert redis_server.client().xlen(REQUESTS) == 0
 
 
 def test_garbled_request_lines_get_400(gateway: LiveGateway) -> None:

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient
 
 from gateway.config import ApiKey
 from protocol.snapshot import BatchSnapshot, Seat
-from tests.gateway.helpers import KEYS, MakeClient, heartbeat
+from tests.gateway.helpers import KEYS, MODEL, REQUESTS, MakeClient, heartbeat
 
 KEY = "sk-live-view-test"
 
@@ -45,11 +45,12 @@ async def test_events_merge_the_live_workers_snapshots(
     heartbeat(sync_redis, "garbled")
     sync_redis.set(KEYS.live_batch("garbled"), b"{not json")
     heartbeat(sync_redis, "starting")  # live, nothing published yet
-    sync_redis.xadd(KEYS.requests, {"m": "queued"})
+    sync_redis.xadd(REQUESTS, {"m": "queued"})
+    sync_redis.sadd(KEYS.models, MODEL)  # a served model: its stream's lag is read
     client = await make_client()
     frame = await first_frame(client)
     assert [w["worker"] for w in frame["workers"]] == ["w1", "w2"]
-    assert frame["queue"]["lag"] >= 1
+    assert frame["queue"]["lag"] >= 1 and frame["queue"]["models"][MODEL]["lag"] >= 1
     w2 = BatchSnapshot.from_dict(frame["workers"][1])
     assert [s.phase for s in w2.seats] == ["decode", "prefill", "waiting"]
     assert w2.to_dict() == snapshot("w2", ["decode", "prefill", "waiting"]).to_dict() | {

@@ -65,3 +65,31 @@ def test_a_key_s_priority_is_checked_when_the_keys_are_read() -> None:
         parse_api_keys(["k priority=500"], "test")
     with pytest.raises(ValueError, match="options are rps=N, burst=N, tpm=N, priority=N"):
         parse_api_keys(["k urgency=1"], "test")
+
+
+async def test_metrics_count_waiting_requests_by_priority_and_tokens_by_key(
+    served: Any, make_client: MakeClient, fake_worker: FakeWorker
+) -> None:
+    """What the dashboard's work-class panels read: requests not yet started, by priority
+    (back to 0 once a worker starts them), and each key's tokens once its request ends."""
+    keys = parse_api_keys(["batchy:k1 priority=7", "vip:k2"], "test")
+    client = await make_client(api_keys=tuple(keys))
+    usage = {}
+    for key_id, extra, texts in (("batchy", {}, ["ok", "!"]), ("vip", {"priority": -2}, ["ok"])):
+        headers = {"Authorization": f"Bearer k{1 if key_id == 'batchy' else 2}"}
+        body = {**BODY, **extra}
+        call = asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
+        request = await fake_worker.take()  # read, not answered: no worker has started it
+        text = await (await client.get("/metrics", headers=headers)).text()
+        assert f'jitney_gateway_waiting_requests{{priority="{request.priority}"}} 1.0' in text
+        await fake_worker.reply(request, *replies_for(request, texts))
+        response = await call
+        assert response.status == 200
+        usage[key_id] = (await response.json())["usage"]
+    text = await (await client.get("/metrics", headers=headers)).text()
+    assert 'jitney_gateway_waiting_requests{priority="7"} 0.0' in text
+    assert 'jitney_gateway_waiting_requests{priority="-2"} 0.0' in text
+    for key_id, used in usage.items():
+        for kind in ("prompt", "completion"):
+            labels = f'key_id="{key_id}",kind="{kind}",model="{request.model}"'
+            assert f"jitney_key_tokens_total{{{labels}}} {used[kind + '_tokens']}.0" in text

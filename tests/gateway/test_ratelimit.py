@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
 from tests.gateway.helpers import (
     KEYS,
+    REQUESTS,
     FakeWorker,
     MakeClient,
     assert_openai_error,
@@ -131,7 +132,7 @@ async def test_without_keys_the_limit_is_per_client_ip(
     assert all([(await client.get("/health")).status == 200 for _ in range(3)])
     response = await client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status == 429 and "Retry-After" in response.headers
-    assert served.xlen(KEYS.requests) == 0
+    assert served.xlen(REQUESTS) == 0
 
 
 async def test_redis_down_is_503_not_500(

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from gateway.errors import ApiError
 from gateway.structured import parse_grammar
 from protocol import grammar as g
-from tests.gateway.helpers import KEYS, FakeWorker, assert_openai_error
+from tests.gateway.helpers import REQUESTS, FakeWorker, assert_openai_error
 
 Client = TestClient[Any, Any]
 SCHEMA = {
@@ -165,7 +165,7 @@ async def test_invalid_grammar_is_a_400_before_anything_is_queued(
     out = await response.json()
     assert_openai_error(out, next(iter(fields)))
     assert "not a valid grammar" in out["error"]["message"]
-    assert served.xlen(KEYS.requests) == 0
+    assert served.xlen(REQUESTS) == 0
 
 
 async def test_the_grammar_travels_to_the_worker(client: Client, fake_worker: FakeWorker) -> None:

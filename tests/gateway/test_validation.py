@@ -10,7 +10,7 @@ import redis
 from aiohttp.test_utils import TestClient
 
 from gateway.app import GATEWAY
-from tests.gateway.helpers import KEYS, MAX_MODEL_LEN, MakeClient, assert_openai_error
+from tests.gateway.helpers import MAX_MODEL_LEN, REQUESTS, MakeClient, assert_openai_error
 
 Client = TestClient[Any, Any]
 SECRET = "SECRET-7f3a"  # planted in every bad body; it must never come back
@@ -171,7 +171,7 @@ async def test_bad_requests_get_400_and_nothing_is_enqueued(
         assert_openai_error(out, param)
         assert out["error"]["type"] == "invalid_request_error", case
         assert SECRET not in text, case
-    assert served.xlen(KEYS.requests) == 0
+    assert served.xlen(REQUESTS) == 0
 
 
 async def test_prompt_too_long_gives_the_numbers(client: Client, served: redis.Redis) -> None:
@@ -185,7 +185,7 @@ async def test_prompt_too_long_gives_the_numbers(client: Client, served: redis.R
     long_chat = [{"role": "user", "content": "x" * 200}]
     status, out, text = await post(client, CHAT, {"messages": long_chat})
     assert status == 400 and out["error"]["param"] == "messages" and "x" * 20 not in text
-    assert served.xlen(KEYS.requests) == 0
+    assert served.xlen(REQUESTS) == 0
 
 
 async def test_unknown_model_is_404(client: Client, served: redis.Redis) -> None:
@@ -193,7 +193,7 @@ async def test_unknown_model_is_404(client: Client, served: redis.Redis) -> None
     status, out, text = await post(client, COMPLETIONS, {"model": SECRET, "prompt": "hi"})
     assert status == 404 and out["error"]["code"] == "model_not_found" and SECRET not in text
     assert_openai_error(out, "model")
-    assert served.xlen(KEYS.requests) == 0
+    assert served.xlen(REQUESTS) == 0
 
 
 async def test_body_over_limit_is_413(served: redis.Redis, make_client: MakeClient) -> None:
@@ -201,7 +201,7 @@ async def test_body_over_limit_is_413(served: redis.Redis, make_client: MakeClie
     client = await make_client(max_body_bytes=1000)
     status, out, text = await post(client, COMPLETIONS, {"prompt": SECRET * 200})
     assert status == 413 and out["error"]["code"] == "request_too_large" and SECRET not in text
-    assert served.xlen(KEYS.requests) == 0
+    assert served.xlen(REQUESTS) == 0
 
 
 async def test_unknown_routes_and_methods_get_json_errors(client: Client) -> None:

@@ -112,6 +112,10 @@ def test_dashboard_covers_what_the_issue_asks_for(dashboard):
         "jitney_preemptions_total",
     ):
         assert queried(metric), metric
+    # Work classes: what waits per priority, and each API key's share of the tokens.
+    assert queried("jitney_gateway_waiting_requests", "by (priority)")
+    assert queried("jitney_key_tokens_total", "by (key_id", "rate(")
+    assert queried("jitney_queue_lag", "by (model)")
     per_worker = [e for e in exprs if "by (worker)" in e]
     assert {"jitney_generation_tokens_total", "jitney_requests_running"} <= set().union(
         *map(metric_names, per_worker)

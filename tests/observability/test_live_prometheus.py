@@ -294,7 +294,7 @@ def test_bench_report_draws_the_key_series(live, tmp_path: Path, capsys):
     # (more than one worker's slots) and never more than all slots, not an exact count.
     running_peak = summary["running_waiting"]["running"]["max"]
     assert MAX_NUM_SEQS < running_peak <= WORKERS * MAX_NUM_SEQS
-    assert summary["running_waiting"]["queue lag (in the stream)"]["max"] > 0
+    assert summary["running_waiting"]["queue lag (in the streams)"]["max"] > 0
     assert all(s["max"] > 0 for s in summary["output_tokens"].values())
     delays = summary["queue_delay"]
     assert 0 <= delays["p50"]["max"] <= delays["p99"]["max"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from protocol import Keys, RequestMessage
+from tests.service.helpers import MODEL
 from tests.services import JitneyProcess
 from worker.redis_io import Entry, WorkerRedis
 
@@ -12,7 +13,7 @@ KEYS = Keys()
 
 
 def test_lists_dead_letters_without_their_prompts_then_purges(redis_server):
-    io = WorkerRedis(redis_server.client(), KEYS, "w1")
+    io = WorkerRedis(redis_server.client(), KEYS, "w1", MODEL)
     msg = RequestMessage(
         "cmpl-poison",
         "tiny-random",

@@ -18,6 +18,7 @@ from tests.services import Worker, http_status, running_system, start_worker, wa
 
 pytestmark = pytest.mark.slow
 KEYS = Keys()
+REQUESTS = KEYS.requests(MODEL)
 
 
 def random_prompts(seed: int, n: int) -> list[list[int]]:
@@ -28,8 +29,8 @@ def random_prompts(seed: int, n: int) -> list[list[int]]:
 def assert_nothing_left(r: redis.Redis) -> None:
     """Every entry acknowledged and deleted (nothing else per request is kept: its replies are
     its gateway's to trim)."""
-    assert r.xlen(KEYS.requests) == 0
-    assert r.xpending(KEYS.requests, WORKER_GROUP)["pending"] == 0
+    assert r.xlen(REQUESTS) == 0
+    assert r.xpending(REQUESTS, WORKER_GROUP)["pending"] == 0
 
 
 def start_streams(
@@ -50,9 +51,7 @@ async def wait_generating(workers: list[Worker], tokens: int) -> None:
 
 def by_pending(r: redis.Redis, workers: list[Worker]) -> tuple[list[Worker], dict[str, int]]:
     """The workers, most pending entries first, and the pending counts."""
-    pending = {
-        _text(c["name"]): c["pending"] for c in r.xinfo_consumers(KEYS.requests, WORKER_GROUP)
-    }
+    pending = {_text(c["name"]): c["pending"] for c in r.xinfo_consumers(REQUESTS, WORKER_GROUP)}
     return sorted(workers, key=lambda w: -pending.get(w.worker_id, 0)), pending
 
 

@@ -25,6 +25,7 @@ from tests.services import running_system, wait_for
 
 pytestmark = pytest.mark.slow
 KEYS = Keys()
+REQUESTS = KEYS.requests(MODEL)
 DURATION_S = float(os.environ.get("JITNEY_OVERLOAD_S", "30"))
 MAX_TOKENS = 32
 MAX_NUM_SEQS = 4
@@ -89,10 +90,10 @@ async def test_twice_the_capacity_gets_fast_429s_and_loses_nothing():
                 tasks.append(asyncio.create_task(post(session, url)))
                 at += rng.expovariate(rate)
             outcomes = await asyncio.gather(*tasks)
-        wait_for(lambda: r.xlen(KEYS.requests) == 0, 10, "request stream emptied")
+        wait_for(lambda: r.xlen(REQUESTS) == 0, 10, "request stream emptied")
         gateway_growth = rss_kib(gateway_pid) - gateway_rss
         redis_growth = used_memory(r) - redis_mem
-        assert r.xpending(KEYS.requests, WORKER_GROUP)["pending"] == 0
+        assert r.xpending(REQUESTS, WORKER_GROUP)["pending"] == 0
 
     admitted = [o for o in outcomes if o.status == 200]
     refused = [o for o in outcomes if o.status == 429]

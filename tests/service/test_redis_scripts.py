@@ -7,10 +7,13 @@ import redis.asyncio as aioredis
 
 from gateway.backlog import BacklogMonitor
 from protocol import WORKER_GROUP, Keys, ModelCard, ReplyMessage, decode_replies
+from tests.service.helpers import MODEL
 from tests.services import RedisServer
 from worker.redis_io import Outbox, WorkerRedis
 
 KEYS = Keys()
+REQUESTS = KEYS.requests(MODEL)
+QUEUED_TOKENS = KEYS.queued_tokens(MODEL)
 CARD = ModelCard("tiny", 64, [0], "{}")
 
 
@@ -37,7 +40,7 @@ def test_worker_scripts_survive_a_redis_restart(redis_server):
     """Heartbeat and publish work before and after a restart that emptied the script cache,
     the card lost with the data is republished, and no call ever sends the script source."""
     r = redis_server.client()
-    io = WorkerRedis(redis_server.client(), KEYS, "w1")
+    io = WorkerRedis(redis_server.client(), KEYS, "w1", MODEL)
     assert io.heartbeat(CARD) and publish_reply(io, 0)
     restart_empty(redis_server)
     assert not r.exists(KEYS.model(CARD.name))
@@ -55,7 +58,7 @@ def test_fenced_worker_scripts_refuse_after_a_restart(redis_server):
     """The scripts still check the fence once reloaded: a fenced worker neither renews its
     lease nor writes a reply."""
     r = redis_server.client()
-    io = WorkerRedis(redis_server.client(), KEYS, "w1")
+    io = WorkerRedis(redis_server.client(), KEYS, "w1", MODEL)
     assert io.heartbeat(CARD)
     restart_empty(redis_server)
     r.set(KEYS.fenced("w1"), 1)
@@ -71,19 +74,19 @@ async def test_backlog_counter_reset_survives_a_redis_restart(redis_server):
     r = redis_server.client()
     client = aioredis.Redis.from_url(redis_server.url, socket_timeout=5)
     try:
-        monitor = BacklogMonitor(client, KEYS, max_queue_len=10, max_queued_tokens=100, cache_s=0)
+        monitor = BacklogMonitor(client, KEYS, MODEL, max_queued_tokens=100, cache_s=0)
         await monitor.ensure_group()
-        r.set(KEYS.queued_tokens, 7)
+        r.set(QUEUED_TOKENS, 7)
         assert (await monitor.reading()).queued_tokens == 0
-        assert int(r.get(KEYS.queued_tokens)) == 0
+        assert int(r.get(QUEUED_TOKENS)) == 0
         restart_empty(redis_server)
         # The pooled connection died with the server (the gateway's callers retry that error);
         # drop it, so what follows tests the script cache alone.
         await client.connection_pool.disconnect()
-        r.xgroup_create(KEYS.requests, WORKER_GROUP, id="0", mkstream=True)
-        r.set(KEYS.queued_tokens, 5)
+        r.xgroup_create(REQUESTS, WORKER_GROUP, id="0", mkstream=True)
+        r.set(QUEUED_TOKENS, 5)
         assert (await monitor.reading()).queued_tokens == 0
-        assert int(r.get(KEYS.queued_tokens)) == 0
+        assert int(r.get(QUEUED_TOKENS)) == 0
         assert script_calls(r) == (0, 2, 1)
     finally:
         await client.aclose()

@@ -10,9 +10,11 @@ import urllib.request
 import aiohttp
 
 from protocol import Keys
+from tests.service.helpers import MODEL
 from tests.services import RedisServer, start_gateway, start_worker, wait_for, wait_ready
 
 KEYS = Keys()
+REQUESTS = KEYS.requests(MODEL)
 
 
 async def test_requests_wait_in_the_queue_for_the_first_worker():
@@ -38,7 +40,7 @@ async def test_requests_wait_in_the_queue_for_the_first_worker():
         async with aiohttp.ClientSession() as session:
             call = asyncio.create_task(session.post(f"{gateway.base}/v1/completions", json=body))
             await asyncio.to_thread(
-                wait_for, lambda: r.xlen(KEYS.requests) == 1, 30, "the request queued"
+                wait_for, lambda: r.xlen(REQUESTS) == 1, 30, "the request queued"
             )
             assert not call.done()
             second = start_worker(server, "second")  # what KEDA does on lagCount > 0

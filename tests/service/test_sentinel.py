@@ -102,7 +102,7 @@ async def test_gateway_and_worker_follow_a_failover():
                 assert asyncio.get_running_loop().time() < deadline, "not served after failover"
                 await asyncio.sleep(0.5)
         assert worker.proc.alive() and gateway.proc.alive()
-        assert replica.client().xlen(Keys().requests) == 0  # served and deleted there
+        assert replica.client().xlen(Keys().requests(MODEL)) == 0  # served and deleted there
     finally:
         gateway.proc.stop()
         worker.proc.stop()

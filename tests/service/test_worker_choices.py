@@ -32,6 +32,7 @@ from worker.service import HISTORY_LOST_SEQ
 
 KEYS = Keys()
 MODEL = "tiny-random"
+REQUESTS = KEYS.requests(MODEL)
 PROMPT = list(range(5, 30))
 
 
@@ -39,7 +40,7 @@ def send(r: redis.Redis, request_id: str, params: SamplingParams, priority: int 
     msg = RequestMessage(
         request_id, MODEL, PROMPT, params.to_dict(), REPLIES, "test-gw", time.time(), None, priority
     )
-    r.xadd(KEYS.requests, msg.encode())
+    r.xadd(REQUESTS, msg.encode())
 
 
 def by_choice(replies: list[ReplyMessage]) -> dict[int, list[ReplyMessage]]:
@@ -216,9 +217,9 @@ def test_a_takeover_whose_reply_history_has_a_gap_ends_with_an_error(server):
     r.delete(REPLIES)
     replies = Replies(r)
     with contextlib.suppress(redis.ResponseError):  # the module's workers made it
-        r.xgroup_create(KEYS.requests, WORKER_GROUP, id="0", mkstream=True)
+        r.xgroup_create(REQUESTS, WORKER_GROUP, id="0", mkstream=True)
     send(r, "gap", SamplingParams(max_tokens=50, seed=1, ignore_eos=True))
-    r.xreadgroup(WORKER_GROUP, "ghost", {KEYS.requests: ">"}, count=1)  # held by a dead worker
+    r.xreadgroup(WORKER_GROUP, "ghost", {REQUESTS: ">"}, count=1)  # held by a dead worker
     r.xadd(REPLIES, encode_replies([ReplyMessage("gap", 1, [7])]))  # seq 0 is gone
     heir = start_worker(server, "heir-gap")
     try:

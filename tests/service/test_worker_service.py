@@ -38,6 +38,7 @@ from tests.services import (
 
 KEYS = Keys()
 MODEL = "tiny-random"
+REQUESTS = KEYS.requests(MODEL)
 REPLIES = KEYS.replies("test-gw")
 LONG = 1500  # max_tokens of a request that is still running when the test acts on it
 REPLY_TIMEOUT = 60
@@ -48,7 +49,7 @@ def send(r: redis.Redis, request_id: str, prompt: list[int], max_tokens: int, **
     msg = RequestMessage(
         request_id, kw.pop("model", MODEL), prompt, sampling, REPLIES, "test-gw", time.time(), **kw
     )
-    return r.xadd(KEYS.requests, msg.encode()).decode()
+    return r.xadd(REQUESTS, msg.encode()).decode()
 
 
 class Replies:
@@ -97,7 +98,7 @@ def ready_status(worker: Worker) -> int:
 
 def pending_ids(r: redis.Redis, consumer: str | None = None) -> list[str]:
     kw = {"consumername": consumer} if consumer else {}
-    rows = r.xpending_range(KEYS.requests, WORKER_GROUP, "-", "+", 100, **kw)
+    rows = r.xpending_range(REQUESTS, WORKER_GROUP, "-", "+", 100, **kw)
     return [row["message_id"].decode() for row in rows]
 
 
@@ -204,8 +205,8 @@ def test_invalid_requests_get_an_error_and_the_worker_keeps_serving(stack, repli
     send(r, "other-model", [5, 6], 4, model="not-served")
     sampling = {"max_tokens": 4, "top_k": "many"}
     bad = RequestMessage("bad-sampling", MODEL, [5, 6], sampling, REPLIES, "test-gw", time.time())
-    r.xadd(KEYS.requests, bad.encode())
-    r.xadd(KEYS.requests, {"v": "1", "m": "{not json"})
+    r.xadd(REQUESTS, bad.encode())
+    r.xadd(REQUESTS, {"v": "1", "m": "{not json"})
     send(r, "after", [5, 6, 7], 4)
     invalid = ("too-long", "bad-token", "other-model", "bad-sampling")
     finals = replies.wait(*invalid, "after")
@@ -335,7 +336,7 @@ def test_two_workers_share_the_queue_and_a_full_worker_does_not_hoard(redis_serv
         params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
         (want,) = engine.generate([[5, 6, 7]], params)
         assert_greedy_parity(load_model(MODEL), [5, 6, 7], got, want.token_ids)
-        assert pending_ids(r) == [] and r.xlen(KEYS.requests) == 0  # acked and deleted
+        assert pending_ids(r) == [] and r.xlen(REQUESTS) == 0  # acked and deleted
         assert r.zscore(KEYS.workers, busy.worker_id) is None
         assert r.zscore(KEYS.workers, free.worker_id) is not None
     finally:
@@ -369,7 +370,7 @@ def test_sigterm_finishes_in_flight_requests_and_stops_reading(redis_server):
         assert all(len(replies.tokens(i)) == 200 for i in in_flight)
         assert replies.final("late") is None and pending_ids(r) == []
         # The late entry is still there for another worker.
-        other = r.xreadgroup(WORKER_GROUP, "probe", {KEYS.requests: ">"}, count=10)
+        other = r.xreadgroup(WORKER_GROUP, "probe", {REQUESTS: ">"}, count=10)
         assert [e[0].decode() for e in other[0][1]] == [late_entry]
         assert r.zscore(KEYS.workers, "wterm") is None
         assert "worker_stopped" in worker.proc.output()

@@ -1,0 +1,30 @@
+"""Seeded random Llama models with the tiny byte-level tokenizer, written as Hugging Face
+directories: a worker loads one with `--model DIR` and serves it under the directory's name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def write_random_llama(path: Path, seed: int = 0, **config: Any) -> Path:
+    """`config`: LlamaConfig fields (sizes); the vocabulary and special ids are the tokenizer's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.tiny_model import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    llama = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(llama)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

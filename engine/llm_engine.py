@@ -177,6 +177,19 @@ class Engine:
         """Added but not admitted (or preempted back to waiting)."""
         return len(self.policy.waiting)
 
+    def preemptible_priority(self) -> int | None:
+        """The priority a more urgent new request would preempt for (continuous batching): the
+        least urgent holding a slot. None when nothing runs, or when a waiting request is already
+        more urgent than it (the next steps preempt for that one first)."""
+        holders = self.policy.slot_holders()
+        if not holders or self.config.batching != "continuous":
+            return None
+        least_urgent = max(seq.priority for seq in holders)
+        waiting = self.policy.waiting
+        if waiting and waiting.peek().priority < least_urgent:
+            return None
+        return least_urgent
+
     def first_scheduled_time(self, request_id: str) -> float | None:
         """When the request was first scheduled (time.monotonic()), None if not yet or unknown."""
         req = self.requests.get(request_id)

@@ -35,6 +35,7 @@ class Client:
     bucket: str  # the rate-limit bucket: the key id, or "ip:<address>" without keys
     limits: RateLimits
     priority: int = 0  # its requests' priority when they name none
+    weight: int | None = None  # its fair-share weight (ApiKey.weight)
 
 
 CLIENT: web.RequestKey[Client] = web.RequestKey("jitney_client", Client)
@@ -95,7 +96,9 @@ def auth_middleware(config: GatewayConfig, metrics: GatewayMetrics) -> Middlewar
                 reason = "missing" if token is None else "invalid"
                 metrics.auth_failures.labels(reason).inc()
                 raise unauthorized(missing=token is None)
-            request[CLIENT] = Client(key.key_id, key.key_id, limits[key.key_id], key.priority)
+            request[CLIENT] = Client(
+                key.key_id, key.key_id, limits[key.key_id], key.priority, key.weight
+            )
         return await handler(request)
 
     return authenticate

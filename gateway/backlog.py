@@ -1,10 +1,11 @@
-"""Backpressure: refuse new work (429) while a model's request stream is over its bounds.
+"""Enqueueing, and backpressure: refuse new work (429) while a model's queues are over bounds.
 
-One monitor per served model (each has its own stream and counter). Two bounds, both shared by
+One monitor per served model (each has its own queues and counter). Two bounds, both shared by
 all gateways, checked before XADD:
-- entries not yet delivered to any worker: the `workers` group's `lag` (XINFO GROUPS, Redis 7+);
+- entries not yet delivered to any worker: the `workers` group's `lag` (XINFO GROUPS, Redis 7+),
+  summed over the model's queues;
 - prompt tokens of those entries: the `{p}:queued_tokens:{model}` counter, raised by a gateway
-  in the same MULTI as its XADD and lowered by the worker that reads the entries. A worker killed
+  in the same script as its XADD and lowered by the worker that reads the entries. A worker killed
   between its read and its decrement would leave the counter too high for good, so whenever a
   reading finds the queue empty the counter is reset to 0 (atomically, in a script that checks
   the lag).
@@ -21,29 +22,74 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from gateway.errors import ApiError
 from protocol import WORKER_GROUP, Keys, RequestMessage
 
-# Resets the queued-token counter to 0 if the group's lag is 0 (nothing queued), so a counter a
-# crashed worker left too high heals the next time the queue drains. KEYS: stream, counter.
-# ARGV: the workers' group. Registered once and called by SHA (see BacklogMonitor.__init__).
-_RESET_IF_EMPTY = """
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-if not ok then return 0 end
-for _, g in ipairs(groups) do
-  local name, lag
-  for i = 1, #g, 2 do
-    if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'lag' then lag = g[i + 1] end
-  end
-  if name == ARGV[1] and lag == 0 then
-    redis.call('SET', KEYS[2], 0)
-    return 1
+# Enqueue one request into its queue (a stream per model, priority and fair-share key; the
+# queue's key is made and listed in the model's queue set on first use, with its consumer group
+# at id 0 so nothing queued before any worker is skipped), and count its prompt tokens.
+# KEYS: queue set, weights, queue stream, queued-token counter.
+# ARGV: priority, weight, group, v, m, cost (tokens, for fair share), prompt tokens.
+_ENQUEUE = """
+if redis.call('ZADD', KEYS[1], ARGV[1], KEYS[3]) == 1 then
+  redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[3], '0', 'MKSTREAM')
+end
+redis.call('HSET', KEYS[2], KEYS[3], ARGV[2])
+local id = redis.call('XADD', KEYS[3], '*', 'v', ARGV[4], 'm', ARGV[5], 'c', ARGV[6])
+redis.call('INCRBY', KEYS[4], ARGV[7])
+return id
+"""
+
+# The model's backlog over all its queues: {lag, pending, queued tokens}. Resets the queued-token
+# counter to 0 when nothing is queued, so a counter a crashed worker left too high heals the next
+# time the queue drains. A queue without the group gets it at id 0 (nothing queued before any
+# worker is skipped). KEYS: queue set, default queue, counter. ARGV: group, count bound (for a
+# queue whose lag Redis cannot say after deletions: its undelivered entries are counted).
+_READING = """
+local function field(t, name)
+  for i = 1, #t, 2 do if t[i] == name then return t[i + 1] end end
+end
+local queues = redis.call('ZRANGE', KEYS[1], 0, -1)
+table.insert(queues, KEYS[2])
+local seen, lag, pending = {}, 0, 0
+for _, q in ipairs(queues) do
+  if not seen[q] then
+    seen[q] = true
+    local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', q)
+    local found = false
+    for _, g in ipairs(ok and groups or {}) do
+      if field(g, 'name') == ARGV[1] then
+        local n = field(g, 'lag')
+        if not n then
+          local from = '(' .. field(g, 'last-delivered-id')
+          n = #redis.call('XRANGE', q, from, '+', 'COUNT', ARGV[2])
+        end
+        lag, pending, found = lag + n, pending + field(g, 'pending'), true
+      end
+    end
+    if not found then  -- no group yet (or lost in a restart): every entry is unread
+      redis.pcall('XGROUP', 'CREATE', q, ARGV[1], '0', 'MKSTREAM')
+      lag = lag + redis.call('XLEN', q)
+    end
   end
 end
-return 0
+local tokens = tonumber(redis.call('GET', KEYS[3]) or '0')
+if lag == 0 and tokens > 0 then
+  redis.call('SET', KEYS[3], 0)
+  tokens = 0
+end
+return {lag, pending, tokens}
 """
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """Which of a model's queues a request goes to."""
+
+    priority: int = 0
+    share: str | None = None  # the API key id, for a key with a fair-share weight
+    weight: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +97,6 @@ class Backlog:
     lag: int  # entries added to the stream that no worker has read yet
     pending: int  # entries read by a worker and not yet acknowledged (in progress)
     queued_tokens: int = 0  # prompt tokens of the `lag` entries
-
-
-def _field(group: dict[Any, Any], name: str) -> Any:
-    value = group.get(name, group.get(name.encode()))
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class BacklogMonitor:
@@ -70,8 +111,8 @@ class BacklogMonitor:
         cache_s: float = 0.1,
     ):
         self.redis = redis
+        self.keys = keys
         self.model = model
-        self.requests = keys.requests(model)
         self.queued_tokens = keys.queued_tokens(model)
         self.max_queue_len = max_queue_len
         self.max_queued_tokens = max_queued_tokens
@@ -84,15 +125,11 @@ class BacklogMonitor:
         self._tokens_since_reading = 0
         # register_script: EVALSHA, and SCRIPT LOAD + EVALSHA again on NOSCRIPT (a restarted
         # Redis has an empty script cache).
-        self._reset_if_empty = redis.register_script(_RESET_IF_EMPTY)
+        self._enqueue = redis.register_script(_ENQUEUE)
+        self._read = redis.register_script(_READING)
 
-    async def ensure_group(self) -> None:
-        """Create the consumer group at id 0, so nothing enqueued before any worker is skipped."""
-        try:
-            await self.redis.xgroup_create(self.requests, WORKER_GROUP, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+    def queue(self, queue: Queue) -> str:
+        return self.keys.requests(self.model, queue.priority, queue.share)
 
     async def reading(self, max_age_s: float | None = None) -> Backlog:
         max_age = self.cache_s if max_age_s is None else max_age_s
@@ -112,13 +149,18 @@ class BacklogMonitor:
         self._enqueued_since_reading = max(self._enqueued_since_reading - 1, 0)
         self._tokens_since_reading = max(self._tokens_since_reading - prompt_tokens, 0)
 
-    async def enqueue(self, message: RequestMessage) -> str:
-        """XADD the request and count its prompt tokens as queued, atomically. No MAXLEN:
-        trimming the request stream could delete unread requests."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.requests, message.encode())
-        pipe.incrby(self.queued_tokens, len(message.prompt_token_ids))
-        entry_id, _ = await pipe.execute()
+    async def enqueue(self, message: RequestMessage, queue: Queue, cost: int) -> str:
+        """XADD the request to its queue and count its prompt tokens as queued, atomically. No
+        MAXLEN: trimming a queue could delete unread requests."""
+        keys = [
+            self.keys.queues(self.model),
+            self.keys.queue_weights(self.model),
+            self.queue(queue),
+            self.queued_tokens,
+        ]
+        fields = message.encode()
+        args = [queue.priority, queue.weight, WORKER_GROUP, fields["v"], fields["m"], cost]
+        entry_id = await self._enqueue(keys=keys, args=[*args, len(message.prompt_token_ids)])
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
     async def admit(self, prompt_tokens: int) -> None:
@@ -154,41 +196,17 @@ class BacklogMonitor:
     async def _fetch(self) -> Backlog:
         enqueued_before = self._enqueued_since_reading
         tokens_before = self._tokens_since_reading
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xinfo_groups(self.requests)
-        pipe.get(self.queued_tokens)
-        try:
-            groups, tokens = await pipe.execute()
-        except ResponseError:  # no stream at all (e.g. Redis restarted empty): recreate it
-            await self.ensure_group()
-            groups, tokens = await self.redis.xinfo_groups(self.requests), 0
-        group = next((g for g in groups if _field(g, "name") == WORKER_GROUP), None)
-        queued_tokens = max(int(tokens or 0), 0)
-        if group is None:
-            await self.ensure_group()
-            lag, pending = await self.redis.xlen(self.requests), 0
-        else:
-            lag = _field(group, "lag")
-            if lag is None:  # Redis cannot say after some deletions: count, up to the bound
-                lag = await self._count_undelivered(_field(group, "last-delivered-id"))
-            lag, pending = int(lag), int(_field(group, "pending") or 0)
-        if lag == 0 and queued_tokens > 0:
-            keys = [self.requests, self.queued_tokens]
-            await self._reset_if_empty(keys=keys, args=[WORKER_GROUP])
-            queued_tokens = 0
-        backlog = Backlog(lag, pending, queued_tokens)
+        keys = [self.keys.queues(self.model), self.keys.requests(self.model), self.queued_tokens]
+        lag, pending, queued_tokens = await self._read(
+            keys=keys, args=[WORKER_GROUP, self.max_queue_len + 1]
+        )
+        backlog = Backlog(int(lag), int(pending), max(int(queued_tokens), 0))
         self._reading = backlog
         self._read_at = time.monotonic()
-        # Entries added while XINFO was in flight may or may not be in its answer; keep them.
+        # Entries added while the reading was in flight may or may not be in it; keep them.
         self._enqueued_since_reading -= min(enqueued_before, self._enqueued_since_reading)
         self._tokens_since_reading -= min(tokens_before, self._tokens_since_reading)
         return backlog
-
-    async def _count_undelivered(self, last_delivered_id: str) -> int:
-        entries = await self.redis.xrange(
-            self.requests, min=f"({last_delivered_id}", count=self.max_queue_len + 1
-        )
-        return len(entries)
 
 
 class ModelBacklogs:

@@ -19,11 +19,16 @@ from gateway.file_store import FileObject, FileStore, content_bytes, new_file_id
 OUTPUT_PURPOSE = "batch_output"
 
 
+# Characters JSON leaves raw in strings that line splitters (Python's str.splitlines, some JSONL
+# readers) take for line ends: escaped, so each result stays one line however it is read.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def result_line(custom_id: str, response: dict[str, Any] | None, error: Any = None) -> str:
     """One line of an output or error file, as OpenAI writes it."""
     line = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id}
     line |= {"response": response, "error": error}
-    return json.dumps(line, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(line, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
 
 
 def expired_line(raw: bytes | None) -> str:

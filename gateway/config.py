@@ -59,6 +59,10 @@ class ApiKey:
     # Per-key rate limits (rps, burst, tpm) over the gateway's --rate-limit-* defaults.
     overrides: tuple[tuple[str, float], ...] = ()
     priority: int = 0  # the key's requests' priority when they name none (lower is first)
+    # Fair share: a key with a weight has its own queue per priority, and the queues of one
+    # priority get tokens in proportion to their weights. Without one, its requests share the
+    # priority's common queue (weight 1) with every other key without one.
+    weight: int | None = None
 
 
 def derived_key_id(key: str) -> str:
@@ -68,7 +72,7 @@ def derived_key_id(key: str) -> str:
 
 def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
     """One key per entry: `KEY` or `ID:KEY`, then optional `rps=N burst=N tpm=N` overrides and
-    a default `priority=N`.
+    a default `priority=N` and a fair-share `weight=N`.
 
     Blank entries and `#` comments are skipped. Errors name the entry's position, never its
     text (it holds a secret)."""
@@ -90,12 +94,16 @@ def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
         priority = int(values.pop("priority", 0))
         if priority not in PRIORITIES:
             raise ValueError(f"{where}: priority must be in [{PRIORITIES[0]}, {PRIORITIES[-1]}]")
+        weight = None if "weight" not in values else int(values.pop("weight"))
+        if weight is not None and not 1 <= weight <= MAX_WEIGHT:
+            raise ValueError(f"{where}: weight must be in [1, {MAX_WEIGHT}]")
         RateLimits(**values)  # type: ignore[arg-type]  # checks the values now, not per request
-        keys.append(ApiKey(key_id, key, tuple(values.items()), priority))
+        keys.append(ApiKey(key_id, key, tuple(values.items()), priority, weight))
     return keys
 
 
-_OPTIONS = ("rps", "burst", "tpm", "priority")
+_OPTIONS = ("rps", "burst", "tpm", "priority", "weight")
+MAX_WEIGHT = 1000
 
 
 def _options(options: list[str], where: str) -> dict[str, float]:
@@ -104,7 +112,8 @@ def _options(options: list[str], where: str) -> dict[str, float]:
         name, _, value = option.partition("=")
         if name not in _OPTIONS or name in values:
             raise ValueError(
-                f"{where}: options are rps=N, burst=N, tpm=N, priority=N (each at most once)"
+                f"{where}: options are rps=N, burst=N, tpm=N, priority=N, weight=N "
+                "(each at most once)"
             )
         try:
             values[name] = float(value) if name == "rps" else int(value)

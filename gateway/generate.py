@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from gateway import tools
 from gateway.auth import CLIENT
+from gateway.backlog import Queue
 from gateway.choices import Choice, Echo
 from gateway.errors import bad_request, redis_unavailable, shutting_down
 from gateway.logprobs import LogprobsFormatter
@@ -79,7 +80,8 @@ async def _serve(request: web.Request, kind: Kind, gw: Gateway) -> web.StreamRes
     client = request.get(CLIENT)
     key_id = None if client is None else client.key_id
     priority = _priority(request, job.parsed)
-    return await submit(gw, job, priority, received, deliver, key_id=key_id)
+    weight = None if client is None else client.weight
+    return await submit(gw, job, priority, received, deliver, key_id=key_id, weight=weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,7 @@ async def submit(
     deliver: Callable[[Relay], Awaitable[T]],
     request_id: str = "",
     key_id: str | None = None,
+    weight: int | None = None,
 ) -> T:
     """Steps 4-6: admit (429), enqueue, then `deliver` the replies (HTTP body or stream, or a
     batch line's body). Leaving before the final reply cancels the work."""
@@ -157,8 +160,9 @@ async def submit(
     enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
     try:
         try:
-            in_flight.request_stream = backlog.requests
-            in_flight.entry_id = await backlog.enqueue(message)
+            queue = Queue(priority, key_id if weight else None, weight or 1)
+            in_flight.request_stream = backlog.queue(queue)
+            in_flight.entry_id = await backlog.enqueue(message, queue, job.cost)
         except RedisError:
             enqueued = False
             backlog.release(len(prompt_ids))

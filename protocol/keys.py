@@ -6,10 +6,18 @@ Keys (prefix `jitney` by default, so several deployments can share one Redis). `
 prefix as a Redis Cluster hash tag, `{jitney}`: every key of a deployment lives in one cluster
 slot, so each Lua script and MULTI touches one shard. A deployment is the unit of sharding (docs/
 scale.md); a prefix that already holds a `{tag}` is used as it is.
-- `{p}:requests:{model}`    stream of RequestMessage for one served model; consumer group
-                            `workers` (the workers serving that model). A worker XACKs and XDELs
-                            an entry with its final reply, so the stream holds only queued and
-                            in-progress requests
+- `{p}:requests:{model}`    the default request queue of one served model: a stream of
+                            RequestMessage, consumer group `workers` (the workers serving that
+                            model). A worker XACKs and XDELs an entry with its final reply, so a
+                            queue holds only queued and in-progress requests. Each entry also
+                            carries `c`, its cost in tokens (prompt + max_tokens), for fair share
+- `{p}:requests:{model}:p{priority}[:k:{key id}]` the queue of one priority, and of one API key
+                            with a fair-share weight; priority 0 without a key is the default
+- `{p}:queues:{model}`      sorted set queue stream -> priority: every queue of the model, read
+                            most urgent first (worker/redis_io.py, _READ)
+- `{p}:queue_weights:{model}` hash queue stream -> its key's weight (1 when it has none)
+- `{p}:queue_deficits:{model}` hash queue stream -> its deficit in tokens (deficit round robin
+                            between the queues of one priority)
 - `{p}:dead`                stream of dead-lettered requests (failed MAX_DELIVERIES times)
 - `{p}:fenced:{worker}`     a flag: another worker judged this one dead and took its requests
 - `{p}:replies:{gateway}`   stream of the replies to the requests one gateway enqueued: an entry
@@ -94,8 +102,22 @@ class Keys:
         tagged = re.search(r"\{[^}]+\}", self.prefix) is not None
         object.__setattr__(self, "tag", self.prefix if tagged else f"{{{self.prefix}}}")
 
-    def requests(self, model: str) -> str:
-        return f"{self.tag}:requests:{model}"
+    def requests(self, model: str, priority: int = 0, share: str | None = None) -> str:
+        """The queue of `model` at `priority`, of API key `share` (one with a fair-share weight)
+        or of every other request at that priority."""
+        name = f"{self.tag}:requests:{model}"
+        if priority or share:
+            name += f":p{priority}"
+        return f"{name}:k:{share}" if share else name
+
+    def queues(self, model: str) -> str:
+        return f"{self.tag}:queues:{model}"
+
+    def queue_weights(self, model: str) -> str:
+        return f"{self.tag}:queue_weights:{model}"
+
+    def queue_deficits(self, model: str) -> str:
+        return f"{self.tag}:queue_deficits:{model}"
 
     def replies(self, gateway_id: str) -> str:
         return f"{self.tag}:replies:{gateway_id}"

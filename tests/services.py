@@ -39,14 +39,16 @@ def http_status(url: str, timeout: float = 2) -> int:
         return e.code
 
 
-def serving(base: str) -> bool:
+def serving(base: str, api_key: str | None = None) -> bool:
     """The gateway at `base` is ready and lists a model. /ready alone is not enough before a
     request: it reads the worker heartbeats in Redis, while the request path reads the model
     registry, which finds a new worker's card up to its miss re-read interval (0.5 s) later and
     answers 503 no_workers meanwhile."""
     if http_status(f"{base}/ready") != 200:
         return False
-    with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as response:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"{base}/v1/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=2) as response:
         return bool(json.load(response)["data"])
 
 
@@ -241,10 +243,10 @@ class Gateway:
     proc: JitneyProcess
     base: str
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 60, api_key: str | None = None) -> None:
         def ready() -> bool:
             assert self.proc.alive(), self.proc.output()
-            return serving(self.base)
+            return serving(self.base, api_key)
 
         wait_for(ready, timeout, "gateway /ready and a model listed")
 
@@ -278,6 +280,7 @@ def running_system(
     worker_env: dict[str, str] | None = None,
     appendonly: bool = False,
     gateway_flags: tuple[str, ...] = (),
+    api_key: str | None = None,
 ) -> Iterator[System]:
     """A private redis-server, tiny-random `jitney worker`s and a `jitney gateway`, all ready;
     stops everything afterwards (whatever the test killed already)."""
@@ -286,7 +289,7 @@ def running_system(
     gateway = start_gateway(server, *gateway_flags)
     try:
         wait_ready(server.client(), *workers)
-        gateway.wait_ready()
+        gateway.wait_ready(api_key=api_key)
         yield System(server, gateway, workers)
     finally:
         gateway.proc.stop()

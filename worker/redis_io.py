@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import redis
 
@@ -40,9 +41,10 @@ RELEASED_IDLE_MS = 24 * 3600 * 1000
 # One step's replies and acks, applied atomically unless this worker has been fenced (another
 # worker judged it dead and took its requests over): a fenced worker's late writes would
 # interleave with its successor's. Returns 0 when fenced, 1 when applied.
-# KEYS: fence flag, request stream. ARGV: group, reply maxlen, then operations:
+# KEYS: fence flag. ARGV: group, reply maxlen, then operations:
 #   R stream nomkstream(0|1) v b   (one XADD: a gateway's replies of this step, as a batch)
-#   A entry_id                     (XACK + XDEL)
+#   A queue entry_id               (XACK + XDEL of a request queue's entry)
+# Every key named in ARGV shares the deployment's hash tag (protocol.Keys): one cluster slot.
 # The reply stream is also the record a takeover continues from (WorkerRedis.claim): no write
 # per request besides its reply, which halves what Redis does per streamed token.
 _PUBLISH = """
@@ -61,9 +63,9 @@ while i <= #ARGV do
     i = i + 5
   else  -- 'A'
     -- pcall: after a restart without persistence the group may be gone; nothing to ack then
-    redis.pcall('XACK', KEYS[2], group, ARGV[i+1])
-    redis.call('XDEL', KEYS[2], ARGV[i+1])
-    i = i + 2
+    redis.pcall('XACK', ARGV[i+1], group, ARGV[i+2])
+    redis.call('XDEL', ARGV[i+1], ARGV[i+2])
+    i = i + 3
   end
 end
 return 1
@@ -85,6 +87,108 @@ redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[2] - 3600)
 return {1, has_card}
 """
 
+# Read up to `count` new entries of a model's queues for this consumer: most urgent priority
+# first; between the queues of one priority, deficit round robin counted in tokens (each entry's
+# `c`), weighted by each queue's weight, with the deficits kept in a hash so shares hold across
+# reads. Only queues less urgent than nothing below ARGV[4] are read (a full worker reads only
+# what it would preempt for). A queue without the group gets it at id 0 (a restart without
+# persistence). Returns {queues with their priorities (flat), entries as {queue, id, fields}}.
+# KEYS: queue set, weights, deficits, default queue. ARGV: group, consumer, count, below
+# (a priority, exclusive; "+inf" for all), quantum (tokens a weight-1 queue gets per round).
+_READ = """
+local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local below, quantum = ARGV[4], tonumber(ARGV[5])
+local function read(queue, n)
+  local r = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', queue, '>')
+  if type(r) == 'table' and r.err then
+    if not string.find(r.err, 'NOGROUP') then return redis.error_reply(r.err) end
+    redis.call('XGROUP', 'CREATE', queue, group, '0', 'MKSTREAM')
+    r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', queue, '>')
+  end
+  if not r then return {} end
+  return r[1][2]
+end
+local function cost(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'c' then return tonumber(fields[i + 1]) or 1 end
+  end
+  return 1
+end
+local listed = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local levels, order = {}, {}
+local function add(queue, priority)
+  if not levels[priority] then levels[priority] = {}; table.insert(order, priority) end
+  table.insert(levels[priority], queue)
+end
+local default_listed = false
+for i = 1, #listed, 2 do
+  add(listed[i], tonumber(listed[i + 1]))
+  default_listed = default_listed or listed[i] == KEYS[4]
+end
+if not default_listed then
+  add(KEYS[4], 0)
+  table.insert(listed, KEYS[4])
+  table.insert(listed, '0')
+end
+table.sort(order)
+local out = {}
+for _, priority in ipairs(order) do
+  if #out >= want or priority >= tonumber(below) then break end
+  local queues = levels[priority]
+  if #queues == 1 then
+    for _, e in ipairs(read(queues[1], want - #out)) do
+      table.insert(out, {queues[1], e[1], e[2]})
+    end
+  else
+    local weights = redis.call('HMGET', KEYS[2], unpack(queues))
+    local deficits = redis.call('HMGET', KEYS[3], unpack(queues))
+    local live = #queues
+    for k = 1, #queues do
+      weights[k] = tonumber(weights[k]) or 1
+      deficits[k] = tonumber(deficits[k]) or 0
+    end
+    local empty = {}
+    while #out < want and live > 0 do
+      local served = false
+      for k = 1, #queues do
+        if not empty[k] and deficits[k] > 0 and #out < want then
+          local e = read(queues[k], 1)[1]
+          if e then
+            table.insert(out, {queues[k], e[1], e[2]})
+            deficits[k] = deficits[k] - cost(e[2])
+            served = true
+          else  -- nothing waiting: an idle queue keeps no credit
+            empty[k], live = true, live - 1
+            if deficits[k] > 0 then deficits[k] = 0 end
+          end
+        end
+      end
+      if not served and live > 0 then  -- a new round: enough quanta that one queue can go
+        local rounds = math.huge
+        for k = 1, #queues do
+          if not empty[k] then
+            local share = quantum * weights[k]
+            rounds = math.min(rounds, math.floor((0 - deficits[k]) / share) + 1)
+          end
+        end
+        for k = 1, #queues do
+          if not empty[k] then deficits[k] = deficits[k] + rounds * quantum * weights[k] end
+        end
+      end
+    end
+    local flat = {}
+    for k = 1, #queues do table.insert(flat, queues[k]); table.insert(flat, deficits[k]) end
+    redis.call('HSET', KEYS[3], unpack(flat))
+  end
+end
+return {listed, out}
+"""
+# Tokens a weight-1 queue gets per round of the deficit round robin. A top-up grants just enough
+# rounds for the next queue to go (computed, not looped), so a small quantum costs nothing and
+# interleaves request by request: no queue banks credit that a queue arriving later must wait out.
+DRR_QUANTUM = 1
+READ_ALL = 1_000_000_000  # `below` for reading every priority
+
 Fields = dict[bytes, bytes]
 
 
@@ -92,6 +196,18 @@ Fields = dict[bytes, bytes]
 class Entry:
     entry_id: str
     fields: Fields
+    queue: str = ""  # the request queue (stream) it is in; "" for other streams' entries
+
+    @property
+    def ref(self) -> EntryRef:
+        return EntryRef(self.queue, self.entry_id)
+
+
+class EntryRef(NamedTuple):
+    """A request queue's entry: what acks, hand-backs and claims name."""
+
+    queue: str
+    entry_id: str
 
 
 @dataclass(slots=True)
@@ -103,7 +219,7 @@ class Outbox:
     """
 
     replies: list[tuple[str, ReplyMessage]] = field(default_factory=list)
-    acks: list[str] = field(default_factory=list)  # entries to XACK and XDEL
+    acks: list[EntryRef] = field(default_factory=list)  # entries to XACK and XDEL
     # Reply streams of gateways that are gone: replies go only if the stream still exists.
     gone_streams: set[str] = field(default_factory=set)
 
@@ -118,6 +234,7 @@ class Orphan:
     entry_id: str
     consumer: str
     times_delivered: int
+    queue: str
 
 
 @dataclass(slots=True)
@@ -134,7 +251,7 @@ class Roster:
     """Who holds a lease, and which pending entries have no live holder. One round trip."""
 
     live_workers: set[str]
-    consumers: dict[str, int]  # consumer -> pending entries
+    consumers: dict[str, int]  # consumer -> pending entries, over all the model's queues
     gateways: dict[str, float]  # gateway id -> last heartbeat (unix seconds)
 
 
@@ -166,11 +283,15 @@ class WorkerRedis:
         self.keys = keys
         self.worker_id = worker_id
         # The served model's request stream: only the workers serving a model read its stream.
-        self.requests = keys.requests(model)
+        self.model = model
+        self.requests = keys.requests(model)  # the default queue: always read
+        # The model's queues -> their priorities, as last read (every read says).
+        self.queues: dict[str, int] = {self.requests: 0}
         self.model_workers = keys.model_workers(model)
         self.queued_tokens = keys.queued_tokens(model)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._publish = client.register_script(_PUBLISH)
+        self._read = client.register_script(_READ)
 
     @classmethod
     def connect(
@@ -225,22 +346,22 @@ class WorkerRedis:
         pending = self._own_pending()
         return self.release(list(pending))
 
-    def release(self, entry_ids: Sequence[str], graceful: bool = False) -> int:
+    def release(self, entries: Sequence[EntryRef], graceful: bool = False) -> int:
         """Move entries to the released consumer. The delivery count rises by one when a live
         worker takes one; `graceful` (a shutdown, not a failure) first lowers it by one, so
         a rolling update never pushes a request towards the dead-letter stream."""
-        if not entry_ids:
+        if not entries:
             return 0
-        counts: dict[int, list[str]] = {}
+        counts: dict[tuple[str, int], list[str]] = {}
         delivered = self._own_pending() if graceful else {}
-        for entry_id in entry_ids:
-            retry = max(delivered.get(entry_id, 1) - 1, 0) if graceful else -1
-            counts.setdefault(retry, []).append(entry_id)
+        for ref in entries:
+            retry = max(delivered.get(ref, 1) - 1, 0) if graceful else -1
+            counts.setdefault((ref.queue, retry), []).append(ref.entry_id)
         pipe = self.client.pipeline(transaction=False)
-        for retry, ids in counts.items():
+        for (queue, retry), ids in counts.items():
             # JUSTID leaves the count alone unless RETRYCOUNT sets it.
             pipe.xclaim(
-                self.requests,
+                queue,
                 WORKER_GROUP,
                 RELEASED_CONSUMER,
                 0,
@@ -250,14 +371,28 @@ class WorkerRedis:
                 justid=True,
             )
         pipe.execute()
-        return len(entry_ids)
+        return len(entries)
 
-    def _own_pending(self) -> dict[str, int]:
-        """This consumer's pending entries -> their delivery counts."""
-        pending = self.client.xpending_range(
-            self.requests, WORKER_GROUP, "-", "+", 100_000, consumername=self.worker_id
-        )
-        return {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+    def _own_pending(self) -> dict[EntryRef, int]:
+        """This consumer's pending entries, in every queue of the model -> delivery counts."""
+        queues = self.list_queues()
+        pipe = self.client.pipeline(transaction=False)
+        for queue in queues:
+            pipe.xpending_range(queue, WORKER_GROUP, "-", "+", 100_000, consumername=self.worker_id)
+        found = {}
+        results = _pending_results(pipe.execute(raise_on_error=False))
+        for queue, pending in zip(queues, results, strict=True):
+            for p in pending:
+                found[EntryRef(queue, _text(p["message_id"]))] = int(p["times_delivered"])
+        return found
+
+    def list_queues(self) -> list[str]:
+        """Every queue of the model (its set, and the default one), read afresh."""
+        listed = self.client.zrange(self.keys.queues(self.model), 0, -1, withscores=True)
+        self.queues = {_text(q): int(score) for q, score in listed} | {
+            self.requests: self.queues.get(self.requests, 0)
+        }
+        return list(self.queues)
 
     def unfence(self) -> None:
         self.client.delete(self.keys.fenced(self.worker_id))
@@ -273,11 +408,37 @@ class WorkerRedis:
         reply = self.client.xread({self.keys.cancels: after}, count=MAX_CANCELS_PER_READ)
         return _entries(reply)
 
-    def read_requests(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to `count` new entries for this consumer; block only when `block_ms` is set."""
+    def read_requests(
+        self, count: int, block_ms: int | None, below: int | None = None
+    ) -> list[Entry]:
+        """Up to `count` new entries for this consumer, most urgent first, fair between the
+        queues of one priority (_READ). Only entries more urgent than `below`, when given. With
+        `block_ms`, and nothing there, wait that long for an entry of any queue."""
+        keys = [
+            self.keys.queues(self.model),
+            self.keys.queue_weights(self.model),
+            self.keys.queue_deficits(self.model),
+            self.requests,
+        ]
+        limit = READ_ALL if below is None else below
+        args = [WORKER_GROUP, self.worker_id, count, limit, DRR_QUANTUM]
+        listed, found = self._read(keys=keys, args=args)
+        self.queues = {
+            _text(listed[i]): int(float(listed[i + 1])) for i in range(0, len(listed), 2)
+        }
+        entries = [Entry(_text(i), _field_map(f), _text(q)) for q, i, f in found]
+        if entries or not block_ms or below is not None:
+            return entries
+        # Nothing waiting: block on every queue at once (one entry each at most; an idle or
+        # nearly idle worker has room for them). A queue made during the wait is seen at the
+        # next read, within block_ms.
         try:
             reply = self.client.xreadgroup(
-                WORKER_GROUP, self.worker_id, {self.requests: ">"}, count=count, block=block_ms
+                WORKER_GROUP,
+                self.worker_id,
+                dict.fromkeys(self.queues, ">"),
+                count=1,
+                block=block_ms,
             )
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
@@ -306,28 +467,37 @@ class WorkerRedis:
         for stream, replies in by_stream.items():
             fields = encode_replies(replies)
             args += ["R", stream, int(stream in outbox.gone_streams), fields["v"], fields["b"]]
-        for entry_id in outbox.acks:
-            args += ["A", entry_id]
-        keys = [self.keys.fenced(self.worker_id), self.requests]
-        return bool(self._publish(keys=keys, args=args))
+        for queue, entry_id in outbox.acks:
+            args += ["A", queue, entry_id]
+        return bool(self._publish(keys=[self.keys.fenced(self.worker_id)], args=args))
 
     # ----- taking over orphaned work -------------------------------------------------------
     def roster(self, lease_s: float) -> Roster:
         now = time.time()
+        queues = self.list_queues()
         pipe = self.client.pipeline(transaction=False)
         pipe.zrangebyscore(self.keys.workers, now - lease_s, "+inf")
-        pipe.xinfo_consumers(self.requests, WORKER_GROUP)
         pipe.zrange(self.keys.gateways, 0, -1, withscores=True)
-        try:
-            live, consumers, gateways = pipe.execute()
-        except redis.ResponseError as e:  # Redis restarted without persistence: no stream/group
-            if "NOGROUP" not in str(e) and "no such key" not in str(e):
-                raise
-            self.ensure_group()
-            return Roster(set(), {}, {})
+        for queue in queues:
+            pipe.xinfo_consumers(queue, WORKER_GROUP)
+        live, gateways, *per_queue = pipe.execute(raise_on_error=False)
+        for result in (live, gateways):
+            if isinstance(result, Exception):
+                raise result
+        consumers: dict[str, int] = {}
+        for found in per_queue:
+            if isinstance(found, redis.ResponseError):  # no group (a restart): nothing pending
+                if "NOGROUP" not in str(found) and "no such key" not in str(found):
+                    raise found
+                continue
+            for c in found:
+                name = _text(c["name"])
+                consumers[name] = consumers.get(name, 0) + int(c["pending"])
+        if isinstance(per_queue[0], redis.ResponseError):
+            self.ensure_group()  # the default queue lost its group: Redis restarted empty
         return Roster(
             {w.decode() for w in live},
-            {_text(c["name"]): int(c["pending"]) for c in consumers},
+            consumers,
             {_text(g): float(score) for g, score in gateways},
         )
 
@@ -341,13 +511,16 @@ class WorkerRedis:
         pipe.execute()
 
     def orphans(self, consumers: Sequence[str], count: int) -> list[Orphan]:
-        """Up to `count` of each consumer's pending entries, oldest first."""
+        """Up to `count` of each consumer's pending entries per queue, oldest first."""
+        queues = list(self.queues)
         pipe = self.client.pipeline(transaction=False)
-        for consumer in consumers:
-            pipe.xpending_range(self.requests, WORKER_GROUP, "-", "+", count, consumername=consumer)
+        pairs = [(consumer, queue) for consumer in consumers for queue in queues]
+        for consumer, queue in pairs:
+            pipe.xpending_range(queue, WORKER_GROUP, "-", "+", count, consumername=consumer)
+        results = _pending_results(pipe.execute(raise_on_error=False))
         found = [
-            Orphan(_text(p["message_id"]), consumer, int(p["times_delivered"]))
-            for consumer, pending in zip(consumers, pipe.execute(), strict=True)
+            Orphan(_text(p["message_id"]), consumer, int(p["times_delivered"]), queue)
+            for (consumer, queue), pending in zip(pairs, results, strict=True)
             for p in pending
         ]
         return sorted(found, key=lambda o: _id_key(o.entry_id))
@@ -358,21 +531,24 @@ class WorkerRedis:
         published for each from its gateway's reply stream (one XRANGE per stream)."""
         if not orphans:
             return []
-        times = {o.entry_id: o.times_delivered for o in orphans}
-        got = self.client.xclaim(
-            self.requests,
-            WORKER_GROUP,
-            self.worker_id,
-            min_idle_ms,
-            [o.entry_id for o in orphans],
-        )
-        entries = [Entry(_text(i), fields) for i, fields in got if fields]
-        gone = [_text(i) for i, fields in got if not fields]  # deleted: nothing to serve
-        if gone:
-            self.client.xack(self.requests, WORKER_GROUP, *gone)
+        times = {(o.queue, o.entry_id): o.times_delivered for o in orphans}
+        by_queue: dict[str, list[str]] = {}
+        for o in orphans:
+            by_queue.setdefault(o.queue, []).append(o.entry_id)
+        entries: list[Entry] = []
+        for queue, ids in by_queue.items():
+            got = self.client.xclaim(queue, WORKER_GROUP, self.worker_id, min_idle_ms, ids)
+            entries += [Entry(_text(i), fields, queue) for i, fields in got if fields]
+            gone = [_text(i) for i, fields in got if not fields]  # deleted: nothing to serve
+            if gone:
+                self.client.xack(queue, WORKER_GROUP, *gone)
         published = self._published([_addressing(entry.fields) for entry in entries])
         return [
-            Claimed(entry, times[entry.entry_id] + 1, published.get(_request_id(entry.fields)))
+            Claimed(
+                entry,
+                times[(entry.queue, entry.entry_id)] + 1,
+                published.get(_request_id(entry.fields)),
+            )
             for entry in entries
         ]
 
@@ -409,13 +585,14 @@ class WorkerRedis:
 
     def forget_consumers(self, consumers: Sequence[str]) -> None:
         """Dead consumers with nothing pending (worker ids are per process: they add up)."""
-        for consumer in consumers:
-            # Only with nothing pending: DELCONSUMER drops a consumer's pending entries.
-            pending = self.client.xpending_range(
-                self.requests, WORKER_GROUP, "-", "+", 1, consumername=consumer
-            )
-            if not pending:
-                self.client.xgroup_delconsumer(self.requests, WORKER_GROUP, consumer)
+        for queue in self.queues:
+            for consumer in consumers:
+                # Only with nothing pending: DELCONSUMER drops a consumer's pending entries.
+                pending = self.client.xpending_range(
+                    queue, WORKER_GROUP, "-", "+", 1, consumername=consumer
+                )
+                if not pending:
+                    self.client.xgroup_delconsumer(queue, WORKER_GROUP, consumer)
 
 
 def _text(value: str | bytes) -> str:
@@ -442,9 +619,28 @@ def _addressing(fields: Fields) -> tuple[str, str]:
 
 
 def _entries(reply: object) -> list[Entry]:
-    """XREAD/XREADGROUP reply of one stream -> its entries."""
+    """XREAD/XREADGROUP reply -> its entries, each with its stream."""
     if isinstance(reply, dict):  # RESP3: {stream: [[(id, fields), ...]]}
-        batches = [batch for value in reply.values() for batch in value]
+        batches = [(_text(s), batch) for s, value in reply.items() for batch in value]
     else:  # RESP2: [[stream, [(id, fields), ...]]]
-        batches = [stream[1] for stream in reply or []]  # type: ignore[attr-defined]
-    return [Entry(i.decode(), fields or {}) for batch in batches for i, fields in batch]
+        batches = [(_text(s[0]), s[1]) for s in reply or []]  # type: ignore[index]
+    return [
+        Entry(i.decode(), fields or {}, stream) for stream, batch in batches for i, fields in batch
+    ]
+
+
+def _field_map(flat: list[bytes]) -> Fields:
+    """A stream entry's fields as Lua returns them (flat) -> a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _pending_results(results: list[object]) -> list[list[dict]]:
+    """XPENDING replies of several queues; a queue without the group has nothing pending."""
+    out = []
+    for result in results:
+        if isinstance(result, redis.ResponseError):
+            if "NOGROUP" not in str(result) and "no such key" not in str(result):
+                raise result
+            result = []
+        out.append(result)
+    return out  # type: ignore[return-value]

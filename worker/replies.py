@@ -17,7 +17,7 @@ from engine.llm_engine import RequestOutput
 from engine.sampling import TokenLogprobs
 from protocol import ReplyMessage
 from worker.metrics import WorkerMetrics
-from worker.redis_io import Outbox
+from worker.redis_io import EntryRef, Outbox
 
 logger = logging.getLogger("jitney.worker")
 
@@ -36,7 +36,7 @@ def kv(**fields: object) -> str:
 
 @dataclass(slots=True)
 class TrackedRequest:
-    entry_id: str
+    entry: EntryRef  # its request queue's entry
     reply_to: str
     enqueue_time: float  # the gateway's enqueue time on this process's time.monotonic() clock
     gateway_id: str = ""
@@ -125,7 +125,7 @@ class ReplyBook:
         )
         if request.open_choices > 0:
             return
-        self.outbox.acks.append(request.entry_id)
+        self.outbox.acks.append(request.entry)
         self.metrics.finished(reason, out.num_prompt_tokens, now - request.enqueue_time)
         logger.debug(
             "request_finished %s",
@@ -144,7 +144,7 @@ class ReplyBook:
         self._send(
             request_id, request, [], "", finish_reason=reason, error=error, error_type=error_type
         )
-        self.outbox.acks.append(request.entry_id)
+        self.outbox.acks.append(request.entry)
         self.metrics.finished(reason, 0, None)
         logger.debug("request_dropped %s", kv(request=request_id, reason=reason))
 

@@ -41,7 +41,7 @@ from protocol import (
 )
 from worker.failpoints import Failpoints
 from worker.metrics import WorkerMetrics
-from worker.redis_io import Claimed, Entry, WorkerRedis, resumed_outputs
+from worker.redis_io import Claimed, Entry, EntryRef, WorkerRedis, resumed_outputs
 from worker.replies import ReplyBook, TrackedRequest, kv
 from worker.snapshot import SnapshotPublisher
 from worker.takeover import Takeover
@@ -269,14 +269,14 @@ class WorkerService:
         self.io.heartbeat(self.card)
         logger.warning("fenced %s", kv(dropped=dropped, released=released))
 
-    def _drop_all(self) -> list[str]:
+    def _drop_all(self) -> list[EntryRef]:
         """Forget every request locally (engine and book); returns their entry ids."""
-        entry_ids = [entry.entry_id for entry in self.state.inbox]
+        entries = [entry.ref for entry in self.state.inbox]
         self.state.inbox = []
         for request_id in list(self.book.tracked):
-            entry_ids.append(self.book.drop(request_id).entry_id)
+            entries.append(self.book.drop(request_id).entry)
         self.engine.reset()
-        return entry_ids
+        return entries
 
     def _hand_back(self, graceful: bool) -> None:
         """Give every request this worker holds to whoever takes it over next (maybe itself),
@@ -332,9 +332,21 @@ class WorkerService:
             else:
                 block_ms = WAITING_POLL_MS if s.last_step_empty else None
             s.inbox = self.io.read_requests(count, block_ms)
+        elif not s.inbox and not self.stopping and (below := self._preempts_for()) is not None:
+            # Full, but a more urgent queue exists: read one entry more urgent than what runs;
+            # the engine preempts for it (only what it would preempt for: no hoarding).
+            s.inbox = self.io.read_requests(1, None, below=below)
         if s.inbox:
             self._take(s.inbox)  # its one round trip comes first: a failure keeps the inbox
             s.inbox = []
+
+    def _preempts_for(self) -> int | None:
+        """The priority below which a full worker still reads (None: it does not): the least
+        urgent running one, when some queue of the model is more urgent than it."""
+        below = self.engine.preemptible_priority()
+        if below is None or min(self.io.queues.values()) >= below:
+            return None
+        return below
 
     def _num_admittable(self) -> int:
         """How many new requests the engine can start now (never more: no hoarding)."""
@@ -356,7 +368,7 @@ class WorkerService:
                 messages.append((entry, self._decode(entry)))
             except ProtocolError as e:  # nowhere to reply: drop it, loudly
                 logger.warning("bad_request_entry %s", kv(entry=entry.entry_id, error=e))
-                book.outbox.acks.append(entry.entry_id)
+                book.outbox.acks.append(entry.ref)
         queued = sum(
             len(m.prompt_token_ids) for _, m in messages if isinstance(m.prompt_token_ids, list)
         )
@@ -365,7 +377,7 @@ class WorkerService:
             request = self._tracked(entry, msg)
             if msg.request_id in book.tracked:  # at-least-once delivery: already serving it
                 logger.warning("duplicate_request %s", kv(request=msg.request_id))
-                book.outbox.acks.append(entry.entry_id)
+                book.outbox.acks.append(entry.ref)
             elif cancelled:  # the client left while it was queued: drop before prefill
                 book.reject(msg.request_id, request, "abort", None)
             elif not self._dropped_before_start(msg, request):
@@ -374,9 +386,7 @@ class WorkerService:
     def _tracked(self, entry: Entry, msg: RequestMessage, next_seq: int = 0) -> TrackedRequest:
         waited = max(0.0, time.time() - msg.enqueue_time)
         enqueue_time = time.monotonic() - waited
-        request = TrackedRequest(
-            entry.entry_id, msg.reply_to, enqueue_time, msg.gateway_id, next_seq
-        )
+        request = TrackedRequest(entry.ref, msg.reply_to, enqueue_time, msg.gateway_id, next_seq)
         request.key_id = msg.key_id if isinstance(msg.key_id, str) else None
         return request
 
@@ -400,7 +410,7 @@ class WorkerService:
                 msg = self._decode(c.entry)
             except ProtocolError as e:
                 logger.warning("bad_request_entry %s", kv(entry=c.entry.entry_id, error=e))
-                book.outbox.acks.append(c.entry.entry_id)
+                book.outbox.acks.append(c.entry.ref)
                 continue
             if msg.request_id in book.tracked:  # already ours (a rejoin raced the takeover)
                 continue

@@ -26,7 +26,7 @@ import redis
 from engine.tiny_model import build_tiny_tokenizer
 from protocol import HEARTBEAT_INTERVAL_S, Keys, ModelCard, ReplyMessage, RequestMessage
 from tests.services import JitneyProcess, RedisServer, free_port, wait_for
-from worker.redis_io import Outbox, WorkerRedis
+from worker.redis_io import EntryRef, Outbox, WorkerRedis
 
 MODEL = "tiny"
 TOKENIZER = build_tiny_tokenizer()
@@ -92,7 +92,7 @@ class FakeWorker:
 
     def __init__(self, io: WorkerRedis):
         self.io = io
-        self.entries: dict[str, str] = {}  # request id -> its stream entry, acked when final
+        self.entries: dict[str, EntryRef] = {}  # request id -> its queue entry, acked when final
         self.finals: dict[str, int] = {}  # request id -> final replies sent (one per choice)
 
     @staticmethod
@@ -114,7 +114,7 @@ class FakeWorker:
         queued = sum(len(request.prompt_token_ids) for request in requests)
         self.io.dequeue([request.request_id for request in requests], queued)
         for entry, request in zip(entries, requests, strict=True):
-            self.entries[request.request_id] = entry.entry_id
+            self.entries[request.request_id] = entry.ref
         return requests
 
     def send(self, request: RequestMessage, replies: list[ReplyMessage]) -> None:

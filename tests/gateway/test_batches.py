@@ -23,7 +23,7 @@ from gateway.file_store import FileStore
 from protocol import BATCH_PRIORITY, WORKER_GROUP
 from tests.gateway.helpers import (
     KEYS,
-    REQUESTS,
+    MODEL,
     AnsweringWorker,
     FakeWorker,
     MakeClient,
@@ -81,8 +81,11 @@ async def file_lines(client: Client, file_id: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (await resp.read()).splitlines()]
 
 
-def unread(r: redis.Redis) -> int:
-    groups = r.xinfo_groups(REQUESTS) if r.exists(REQUESTS) else []
+BATCH_QUEUE = KEYS.requests(MODEL, BATCH_PRIORITY)  # where batch lines are queued
+
+
+def unread(r: redis.Redis, queue: str = BATCH_QUEUE) -> int:
+    groups = r.xinfo_groups(queue) if r.exists(queue) else []
     return next((int(g["lag"]) for g in groups if g["name"] == WORKER_GROUP.encode()), 0)
 
 
@@ -310,7 +313,7 @@ async def test_a_full_queue_hands_lines_back_to_run_later(
     failed, and runs once there is room."""
     client = await make_client(max_queue_len=1, batch_max_queued=5, retry_after_s=1, **FAST)
     blocker = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
-    await eventually(lambda: unread(served) == 1)
+    await eventually(lambda: unread(served, KEYS.requests(MODEL)) == 1)
     batch = await create_batch(client, jsonl(line("a")))
     runner_metrics = await eventually(
         lambda: _metric(client, 'jitney_batch_lines_total{outcome="retried"}')
@@ -488,3 +491,12 @@ def _async_redis(r: redis.Redis) -> Any:
 def test_batch_options_are_checked(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         GatewayConfig(**bad)
+
+
+def test_a_result_is_one_line_whatever_its_text() -> None:
+    """Model text may hold characters that line splitters take for line ends (U+2028, U+2029,
+    NEL): escaped, each result stays one JSONL line, and reads back unchanged."""
+    text = "a\u2028b\x85c\u2029d\ne"
+    line = result_line("x", {"body": {"text": text}})
+    assert len(line.splitlines()) == 1
+    assert json.loads(line)["response"]["body"]["text"] == text

@@ -14,6 +14,7 @@ from protocol import Keys
 from protocol.sampling import SamplingParams
 from protocol.snapshot import PHASES, BatchSnapshot
 from tests.engine.engine_helpers import make_engine
+from worker.redis_io import EntryRef
 from worker.replies import TrackedRequest
 from worker.snapshot import SnapshotPublisher, build_snapshot, short_id
 
@@ -65,7 +66,7 @@ def test_ids_are_short_hashes_unless_full_ids_and_the_snapshot_round_trips(loade
     engine.step()
     short = build_snapshot(engine, "w1", "tiny-random")
     assert [s.id for s in short.seats] == [short_id("cmpl-abc")] * len(short.seats)
-    book = {"cmpl-abc": TrackedRequest("1-0", "replies", 0.0, key_id="team-a")}
+    book = {"cmpl-abc": TrackedRequest(EntryRef("q", "1-0"), "replies", 0.0, key_id="team-a")}
     full = build_snapshot(engine, "w1", "tiny-random", full_ids=True, tracked=book)
     assert {s.id for s in full.seats} == {"cmpl-abc"}
     assert {s.key for s in full.seats} == {"team-a"} and {s.key for s in short.seats} == {None}

@@ -69,13 +69,13 @@ def test_fenced_worker_scripts_refuse_after_a_restart(redis_server):
 
 
 async def test_backlog_counter_reset_survives_a_redis_restart(redis_server):
-    """The gateway's reset-if-empty script heals a stale queued-token count after a restart
-    emptied the script cache, called by SHA."""
+    """The gateway's backlog reading (a script that also resets the queued-token count when
+    nothing is queued) heals a stale count after a restart emptied the script cache, called by
+    SHA."""
     r = redis_server.client()
     client = aioredis.Redis.from_url(redis_server.url, socket_timeout=5)
     try:
         monitor = BacklogMonitor(client, KEYS, MODEL, max_queued_tokens=100, cache_s=0)
-        await monitor.ensure_group()
         r.set(QUEUED_TOKENS, 7)
         assert (await monitor.reading()).queued_tokens == 0
         assert int(r.get(QUEUED_TOKENS)) == 0

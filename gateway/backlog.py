@@ -92,6 +92,9 @@ class Queue:
     weight: int = 1
 
 
+DEFAULT_QUEUE = Queue()  # priority 0, no fair-share key: `{p}:requests:{model}`
+
+
 @dataclass(frozen=True, slots=True)
 class Backlog:
     lag: int  # entries added to the stream that no worker has read yet
@@ -152,15 +155,24 @@ class BacklogMonitor:
     async def enqueue(self, message: RequestMessage, queue: Queue, cost: int) -> str:
         """XADD the request to its queue and count its prompt tokens as queued, atomically. No
         MAXLEN: trimming a queue could delete unread requests."""
-        keys = [
-            self.keys.queues(self.model),
-            self.keys.queue_weights(self.model),
-            self.queue(queue),
-            self.queued_tokens,
-        ]
-        fields = message.encode()
-        args = [queue.priority, queue.weight, WORKER_GROUP, fields["v"], fields["m"], cost]
-        entry_id = await self._enqueue(keys=keys, args=[*args, len(message.prompt_token_ids)])
+        fields = {**message.encode(), "c": str(cost)}
+        prompt_tokens = len(message.prompt_token_ids)
+        if queue == DEFAULT_QUEUE:
+            # Every reader knows the default queue: it needs no listing or weight, and a MULTI
+            # costs Redis less than a script (what most requests of most deployments take).
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(self.keys.requests(self.model), fields)
+            pipe.incrby(self.queued_tokens, prompt_tokens)
+            entry_id, _ = await pipe.execute()
+        else:
+            keys = [
+                self.keys.queues(self.model),
+                self.keys.queue_weights(self.model),
+                self.queue(queue),
+                self.queued_tokens,
+            ]
+            args = [queue.priority, queue.weight, WORKER_GROUP, fields["v"], fields["m"], cost]
+            entry_id = await self._enqueue(keys=keys, args=[*args, prompt_tokens])
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
     async def admit(self, prompt_tokens: int) -> None:

@@ -188,6 +188,9 @@ return {listed, out}
 # interleaves request by request: no queue banks credit that a queue arriving later must wait out.
 DRR_QUANTUM = 1
 READ_ALL = 1_000_000_000  # `below` for reading every priority
+# While a model has one queue, reads skip the script but for one every this often (to find a
+# first queue of another priority).
+LIST_QUEUES_S = 0.5
 
 Fields = dict[bytes, bytes]
 
@@ -285,8 +288,9 @@ class WorkerRedis:
         # The served model's request stream: only the workers serving a model read its stream.
         self.model = model
         self.requests = keys.requests(model)  # the default queue: always read
-        # The model's queues -> their priorities, as last read (every read says).
+        # The model's queues -> their priorities, as last read (every script read says).
         self.queues: dict[str, int] = {self.requests: 0}
+        self._list_queues_at = 0.0  # monotonic: when a read next runs the script regardless
         self.model_workers = keys.model_workers(model)
         self.queued_tokens = keys.queued_tokens(model)
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -413,7 +417,15 @@ class WorkerRedis:
     ) -> list[Entry]:
         """Up to `count` new entries for this consumer, most urgent first, fair between the
         queues of one priority (_READ). Only entries more urgent than `below`, when given. With
-        `block_ms`, and nothing there, wait that long for an entry of any queue."""
+        `block_ms`, and nothing there, wait that long for an entry of any queue.
+
+        While the model has only its default queue (as the script last said: it runs at least
+        every LIST_QUEUES_S), a plain XREADGROUP does, as before queues per priority existed;
+        a first queue of another priority is seen within that interval."""
+        now = time.monotonic()
+        if below is None and len(self.queues) == 1 and now < self._list_queues_at:
+            return self._read_default(count, block_ms)
+        self._list_queues_at = now + LIST_QUEUES_S
         keys = [
             self.keys.queues(self.model),
             self.keys.queue_weights(self.model),
@@ -432,18 +444,21 @@ class WorkerRedis:
         # Nothing waiting: block on every queue at once (one entry each at most; an idle or
         # nearly idle worker has room for them). A queue made during the wait is seen at the
         # next read, within block_ms.
+        return self._xreadgroup(dict.fromkeys(self.queues, ">"), 1, block_ms)
+
+    def _read_default(self, count: int, block_ms: int | None) -> list[Entry]:
+        return self._xreadgroup({self.requests: ">"}, count, block_ms)
+
+    def _xreadgroup(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
         try:
             reply = self.client.xreadgroup(
-                WORKER_GROUP,
-                self.worker_id,
-                dict.fromkeys(self.queues, ">"),
-                count=1,
-                block=block_ms,
+                WORKER_GROUP, self.worker_id, streams, count=count, block=block_ms
             )
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             self.ensure_group()  # Redis restarted without persistence: the group is gone
+            self.queues = {self.requests: 0}  # and the other queues: the next read finds them
             return []
         return _entries(reply)
 

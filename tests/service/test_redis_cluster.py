@@ -123,8 +123,9 @@ def prefixes_on(cluster: Cluster, nodes: list[RedisServer]) -> list[str]:
     raise AssertionError("no prefix found for every node")
 
 
-def complete(gateway: Gateway, timeout: float = 30) -> requests.Response:
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+def complete(gateway: Gateway, timeout: float = 30, priority: int = 0) -> requests.Response:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "ignore_eos": True}
+    body["priority"] = priority
     return requests.post(f"{gateway.base}/v1/completions", json=body, timeout=timeout)
 
 
@@ -156,11 +157,13 @@ def test_two_shards_on_a_cluster_and_one_primary_killed():
             gateway.wait_ready()
         gw_a, gw_b = gateways
 
-        # Both shards serve through the cluster, each from its own primary.
+        # Both shards serve through the cluster, each from its own primary; a priority of its
+        # own makes a queue of its own (the scripts that list and read queues, on a cluster).
         for gateway in gateways:
-            response = complete(gateway)
-            assert response.status_code == 200, response.text
-            assert response.json()["usage"]["completion_tokens"] == 8
+            for priority in (0, 5):
+                response = complete(gateway, priority=priority)
+                assert response.status_code == 200, response.text
+                assert response.json()["usage"]["completion_tokens"] == 8
         for prefix, node in ((shard_a, a_node), (shard_b, b_node)):
             slot = key_slot(Keys(prefix).workers.encode())
             assert node.client().cluster("countkeysinslot", slot) > 0

@@ -41,9 +41,11 @@ RELEASED_IDLE_MS = 24 * 3600 * 1000
 # One step's replies and acks, applied atomically unless this worker has been fenced (another
 # worker judged it dead and took its requests over): a fenced worker's late writes would
 # interleave with its successor's. Returns 0 when fenced, 1 when applied.
-# KEYS: fence flag. ARGV: group, reply maxlen, then operations:
+# KEYS: fence flag, the model's queue deficits. ARGV: group, reply maxlen, then operations:
 #   R stream nomkstream(0|1) v b   (one XADD: a gateway's replies of this step, as a batch)
 #   A queue entry_id               (XACK + XDEL of a request queue's entry)
+#   F queue tokens                 (a fair-share refund: it lowers the queue's debt, never
+#                                   past 0, and only for a queue the round robin keeps)
 # Every key named in ARGV shares the deployment's hash tag (protocol.Keys): one cluster slot.
 # The reply stream is also the record a takeover continues from (WorkerRedis.claim): no write
 # per request besides its reply, which halves what Redis does per streamed token.
@@ -61,10 +63,17 @@ while i <= #ARGV do
       redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'v', v, 'b', b)
     end
     i = i + 5
-  else  -- 'A'
+  elseif op == 'A' then
     -- pcall: after a restart without persistence the group may be gone; nothing to ack then
     redis.pcall('XACK', ARGV[i+1], group, ARGV[i+2])
     redis.call('XDEL', ARGV[i+1], ARGV[i+2])
+    i = i + 3
+  else  -- 'F'
+    if redis.call('HEXISTS', KEYS[2], ARGV[i+1]) == 1 then
+      if redis.call('HINCRBY', KEYS[2], ARGV[i+1], ARGV[i+2]) > 0 then
+        redis.call('HSET', KEYS[2], ARGV[i+1], 0)
+      end
+    end
     i = i + 3
   end
 end
@@ -223,11 +232,13 @@ class Outbox:
 
     replies: list[tuple[str, ReplyMessage]] = field(default_factory=list)
     acks: list[EntryRef] = field(default_factory=list)  # entries to XACK and XDEL
+    # (queue, tokens): what finished requests were charged for fair share and did not use
+    refunds: list[tuple[str, int]] = field(default_factory=list)
     # Reply streams of gateways that are gone: replies go only if the stream still exists.
     gone_streams: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.replies or self.acks)
+        return bool(self.replies or self.acks or self.refunds)
 
 
 @dataclass(slots=True)
@@ -484,7 +495,10 @@ class WorkerRedis:
             args += ["R", stream, int(stream in outbox.gone_streams), fields["v"], fields["b"]]
         for queue, entry_id in outbox.acks:
             args += ["A", queue, entry_id]
-        return bool(self._publish(keys=[self.keys.fenced(self.worker_id)], args=args))
+        for queue, tokens in outbox.refunds:
+            args += ["F", queue, tokens]
+        keys = [self.keys.fenced(self.worker_id), self.keys.queue_deficits(self.model)]
+        return bool(self._publish(keys=keys, args=args))
 
     # ----- taking over orphaned work -------------------------------------------------------
     def roster(self, lease_s: float) -> Roster:
@@ -642,6 +656,14 @@ def _entries(reply: object) -> list[Entry]:
     return [
         Entry(i.decode(), fields or {}, stream) for stream, batch in batches for i, fields in batch
     ]
+
+
+def entry_cost(fields: Fields) -> int:
+    """The tokens a request entry was charged for fair share (`c`; 0 when absent)."""
+    try:
+        return max(int(fields.get(b"c", 0)), 0)
+    except ValueError:
+        return 0
 
 
 def _field_map(flat: list[bytes]) -> Fields:

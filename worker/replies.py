@@ -45,6 +45,8 @@ class TrackedRequest:
     last_chance: bool = False  # one more failure and it is dead-lettered
     open_choices: int = 1  # choices (n) not finished yet: the request ends with the last one
     key_id: str | None = None  # the API key it came with (the live view shows it)
+    cost: int = 0  # tokens its queue was charged when read (prompt + max_tokens of each choice)
+    used: int = 0  # completion tokens of its finished choices
 
 
 @dataclass(slots=True)
@@ -110,6 +112,7 @@ class ReplyBook:
         request = self.tracked[out.request_id]
         reason = out.finish_reason or "abort"
         request.open_choices -= 1
+        request.used += out.num_output_tokens
         if request.open_choices == 0:  # the other choices' finals came before
             del self.tracked[out.request_id]
             self.unscheduled.discard(out.request_id)
@@ -126,11 +129,18 @@ class ReplyBook:
         if request.open_choices > 0:
             return
         self.outbox.acks.append(request.entry)
+        self._refund(request, out.num_prompt_tokens + request.used)
         self.metrics.finished(reason, out.num_prompt_tokens, now - request.enqueue_time)
         logger.debug(
             "request_finished %s",
             kv(request=out.request_id, reason=reason, completion_tokens=out.num_output_tokens),
         )
+
+    def _refund(self, request: TrackedRequest, used: int) -> None:
+        """Fair share is charged at the bound a request may use; what it did not use goes back
+        to its queue, so a tenant whose requests stop early is not held to its max_tokens."""
+        if request.cost > used:
+            self.outbox.refunds.append((request.entry.queue, request.cost - used))
 
     def reject(
         self,
@@ -145,6 +155,7 @@ class ReplyBook:
             request_id, request, [], "", finish_reason=reason, error=error, error_type=error_type
         )
         self.outbox.acks.append(request.entry)
+        self._refund(request, 0)
         self.metrics.finished(reason, 0, None)
         logger.debug("request_dropped %s", kv(request=request_id, reason=reason))
 

@@ -41,7 +41,14 @@ from protocol import (
 )
 from worker.failpoints import Failpoints
 from worker.metrics import WorkerMetrics
-from worker.redis_io import Claimed, Entry, EntryRef, WorkerRedis, resumed_outputs
+from worker.redis_io import (
+    Claimed,
+    Entry,
+    EntryRef,
+    WorkerRedis,
+    entry_cost,
+    resumed_outputs,
+)
 from worker.replies import ReplyBook, TrackedRequest, kv
 from worker.snapshot import SnapshotPublisher
 from worker.takeover import Takeover
@@ -388,6 +395,7 @@ class WorkerService:
         enqueue_time = time.monotonic() - waited
         request = TrackedRequest(entry.ref, msg.reply_to, enqueue_time, msg.gateway_id, next_seq)
         request.key_id = msg.key_id if isinstance(msg.key_id, str) else None
+        request.cost = entry_cost(entry.fields)
         return request
 
     def _dropped_before_start(self, msg: RequestMessage, request: TrackedRequest) -> bool:

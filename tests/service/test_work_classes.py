@@ -20,8 +20,8 @@ from gateway.backlog import BacklogMonitor, Queue
 from protocol import Keys, RequestMessage
 from tests.service.helpers import MODEL
 from tests.service.test_batch_api import jsonl, output_lines, wait_completed
-from tests.services import RedisServer, running_system
-from worker.redis_io import WorkerRedis
+from tests.services import RedisServer, running_system, start_worker, wait_for, wait_ready
+from worker.redis_io import Outbox, WorkerRedis, entry_cost
 
 WEIGHTS = {"a": 1, "b": 1, "c": 2}
 SHARES = {"a": 0.25, "b": 0.25, "c": 0.5}
@@ -60,6 +60,66 @@ async def test_the_read_script_shares_tokens_by_weight(redis_server: RedisServer
     total = sum(tokens.values())
     for key, share in SHARES.items():
         assert abs(tokens[key] / total - share) <= 0.1 * share, (tokens, key)
+
+
+async def test_unused_max_tokens_are_refunded_to_the_key_s_queue(redis_server: RedisServer) -> None:
+    """Fair share is charged at prompt + max_tokens when read; a finished request gives back what
+    it did not use. Key a asks for 1,000 tokens and uses 100, key b asks for and uses 100: with
+    the refunds (what a worker's publish sends) they read alike, instead of a getting a tenth."""
+    import redis.asyncio as aioredis
+
+    keys = Keys()
+    client = aioredis.Redis.from_url(redis_server.url)
+    monitor = BacklogMonitor(client, keys, MODEL)
+    asked, used = {"a": 1000, "b": 100}, 100
+    try:
+        for i in range(100):
+            for key in asked:
+                msg = RequestMessage(f"{key}{i}", MODEL, [1], {}, "r", "g", 0.0, key_id=key)
+                await monitor.enqueue(msg, Queue(0, key, 1), asked[key])
+    finally:
+        await client.aclose()
+    io = WorkerRedis(redis_server.client(), keys, "w", MODEL)
+    reads: Counter[str] = Counter()
+    for _ in range(40):
+        outbox = Outbox()
+        for entry in io.read_requests(2, None):
+            reads[RequestMessage.decode(entry.fields).key_id] += 1
+            outbox.acks.append(entry.ref)
+            outbox.refunds.append((entry.queue, entry_cost(entry.fields) - used))
+        assert io.publish(outbox)
+    assert abs(reads["a"] - reads["b"]) <= 0.1 * reads["b"], reads
+    deficits = redis_server.client().hgetall(keys.queue_deficits(MODEL))
+    assert all(int(d) <= 0 for d in deficits.values())  # a refund lowers debt, banks no credit
+
+
+@pytest.mark.slow
+async def test_a_worker_refunds_what_its_requests_did_not_use(redis_server: RedisServer) -> None:
+    """A real worker finishes two weighted keys' requests charged 1,000 tokens each that stop
+    after 5: its publish hands the unused tokens back, so neither queue keeps the debt."""
+    import redis.asyncio as aioredis
+
+    keys = Keys()
+    client = aioredis.Redis.from_url(redis_server.url)
+    monitor = BacklogMonitor(client, keys, MODEL)
+    sampling = {"max_tokens": 5, "ignore_eos": True}
+    try:
+        for key in ("a", "b"):
+            msg = RequestMessage(key, MODEL, [1, 2], sampling, keys.replies("g"), "g", time.time())
+            await monitor.enqueue(msg, Queue(0, key, 1), 1000)
+    finally:
+        await client.aclose()
+    r = redis_server.client()
+    worker = start_worker(redis_server, "refund-w")
+    try:
+        wait_ready(r, worker)
+        queues = [keys.requests(MODEL, 0, key) for key in ("a", "b")]
+        wait_for(lambda: sum(r.xlen(q) for q in queues) == 0, 30, "both answered and acked")
+    finally:
+        worker.proc.stop()
+    deficits = {k.decode(): int(v) for k, v in r.hgetall(keys.queue_deficits(MODEL)).items()}
+    # Charged 1,000 when read (about -999 after), refunded 1,000 - 2 - 5: only the used remain.
+    assert all(-10 <= deficits[q] <= 0 for q in queues), deficits
 
 
 @pytest.mark.slow

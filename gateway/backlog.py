@@ -157,18 +157,19 @@ class BacklogMonitor:
         MAXLEN: trimming a queue could delete unread requests."""
         fields = {**message.encode(), "c": str(cost)}
         prompt_tokens = len(message.prompt_token_ids)
+        stream = self.queue(queue)
         if queue == DEFAULT_QUEUE:
             # Every reader knows the default queue: it needs no listing or weight, and a MULTI
             # costs Redis less than a script (what most requests of most deployments take).
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(self.keys.requests(self.model), fields)
+            pipe.xadd(stream, fields)
             pipe.incrby(self.queued_tokens, prompt_tokens)
             entry_id, _ = await pipe.execute()
         else:
             keys = [
                 self.keys.queues(self.model),
                 self.keys.queue_weights(self.model),
-                self.queue(queue),
+                stream,
                 self.queued_tokens,
             ]
             args = [queue.priority, queue.weight, WORKER_GROUP, fields["v"], fields["m"], cost]

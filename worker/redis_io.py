@@ -99,18 +99,18 @@ return {1, has_card}
 # Read up to `count` new entries of a model's queues for this consumer: most urgent priority
 # first; between the queues of one priority, deficit round robin counted in tokens (each entry's
 # `c`), weighted by each queue's weight, with the deficits kept in a hash so shares hold across
-# reads. Only queues less urgent than nothing below ARGV[4] are read (a full worker reads only
-# what it would preempt for). A queue without the group gets it at id 0 (a restart without
-# persistence). Returns {queues with their priorities (flat), entries as {queue, id, fields}}.
+# reads. Only queues more urgent than ARGV[4] are read (a full worker reads only what it would
+# preempt for). A queue without the group gets it at id 0 (a restart without persistence).
+# Returns {queues with their priorities (flat), entries as {queue, id, fields}}.
 # KEYS: queue set, weights, deficits, default queue. ARGV: group, consumer, count, below
-# (a priority, exclusive; "+inf" for all), quantum (tokens a weight-1 queue gets per round).
+# (a priority, exclusive; READ_ALL for all), quantum (tokens a weight-1 queue gets per round).
 _READ = """
 local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local below, quantum = ARGV[4], tonumber(ARGV[5])
 local function read(queue, n)
   local r = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', queue, '>')
   if type(r) == 'table' and r.err then
-    if not string.find(r.err, 'NOGROUP') then return redis.error_reply(r.err) end
+    if not string.find(r.err, 'NOGROUP') then error(r.err) end
     redis.call('XGROUP', 'CREATE', queue, group, '0', 'MKSTREAM')
     r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', queue, '>')
   end
@@ -395,7 +395,7 @@ class WorkerRedis:
         for queue in queues:
             pipe.xpending_range(queue, WORKER_GROUP, "-", "+", 100_000, consumername=self.worker_id)
         found = {}
-        results = _pending_results(pipe.execute(raise_on_error=False))
+        results = _unless_no_group(pipe.execute(raise_on_error=False))
         for queue, pending in zip(queues, results, strict=True):
             for p in pending:
                 found[EntryRef(queue, _text(p["message_id"]))] = int(p["times_delivered"])
@@ -513,17 +513,13 @@ class WorkerRedis:
         for result in (live, gateways):
             if isinstance(result, Exception):
                 raise result
+        if isinstance(per_queue[queues.index(self.requests)], redis.ResponseError):
+            self.ensure_group()  # the default queue lost its group: Redis restarted empty
         consumers: dict[str, int] = {}
-        for found in per_queue:
-            if isinstance(found, redis.ResponseError):  # no group (a restart): nothing pending
-                if "NOGROUP" not in str(found) and "no such key" not in str(found):
-                    raise found
-                continue
+        for found in _unless_no_group(per_queue):
             for c in found:
                 name = _text(c["name"])
                 consumers[name] = consumers.get(name, 0) + int(c["pending"])
-        if isinstance(per_queue[0], redis.ResponseError):
-            self.ensure_group()  # the default queue lost its group: Redis restarted empty
         return Roster(
             {w.decode() for w in live},
             consumers,
@@ -546,7 +542,7 @@ class WorkerRedis:
         pairs = [(consumer, queue) for consumer in consumers for queue in queues]
         for consumer, queue in pairs:
             pipe.xpending_range(queue, WORKER_GROUP, "-", "+", count, consumername=consumer)
-        results = _pending_results(pipe.execute(raise_on_error=False))
+        results = _unless_no_group(pipe.execute(raise_on_error=False))
         found = [
             Orphan(_text(p["message_id"]), consumer, int(p["times_delivered"]), queue)
             for (consumer, queue), pending in zip(pairs, results, strict=True)
@@ -671,8 +667,9 @@ def _field_map(flat: list[bytes]) -> Fields:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _pending_results(results: list[object]) -> list[list[dict]]:
-    """XPENDING replies of several queues; a queue without the group has nothing pending."""
+def _unless_no_group(results: list[object]) -> list[list[dict]]:
+    """Pipelined replies about several queues' group (XPENDING, XINFO CONSUMERS): a queue
+    without the group (Redis restarted empty) has nothing in it; any other error is raised."""
     out = []
     for result in results:
         if isinstance(result, redis.ResponseError):

@@ -350,10 +350,12 @@ class WorkerService:
     def _preempts_for(self) -> int | None:
         """The priority below which a full worker still reads (None: it does not): the least
         urgent running one, when some queue of the model is more urgent than it."""
-        below = self.engine.preemptible_priority()
-        if below is None or min(self.io.queues.values()) >= below:
+        priorities = self.io.queues.values()
+        most_urgent = min(priorities)
+        if most_urgent == max(priorities):  # one priority: nothing running is less urgent
             return None
-        return below
+        below = self.engine.preemptible_priority()  # a pass over the running sequences
+        return None if below is None or most_urgent >= below else below
 
     def _num_admittable(self) -> int:
         """How many new requests the engine can start now (never more: no hoarding)."""

@@ -19,20 +19,16 @@ from protocol import (
     STOP_STRING,
     WORKER_GROUP,
     CancelMessage,
-    Keys,
     ReplyMessage,
     RequestMessage,
     encode_replies,
 )
 from protocol.sampling import SamplingParams
-from tests.service.test_worker_service import REPLIES, Replies, pending_ids
+from tests.service.test_worker_service import KEYS, MODEL, REPLIES, REQUESTS, Replies, pending_ids
 from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
 from worker.redis_io import published_history, resumed_outputs
 from worker.service import HISTORY_LOST_SEQ
 
-KEYS = Keys()
-MODEL = "tiny-random"
-REQUESTS = KEYS.requests(MODEL)
 PROMPT = list(range(5, 30))
 
 

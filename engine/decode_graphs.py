@@ -12,8 +12,17 @@ A graph needs the same tensors and shapes on every replay, so a decode-only step
 Inputs are copied into static buffers, then the graph of that (batch, width) replays; it is
 captured the first time that pair occurs, after two warm-up runs on a side stream (the standard
 recipe). Mixed steps (any prefill chunk), batches above the largest bucket and steps whose padded
-read would pass `max_read_bytes` run eagerly as before. Off the GPU the same padded path can run
-without capture: the tests check it against the eager path token for token.
+read would pass `max_read_bytes` run eagerly as before.
+
+A graph reads and writes memory by address, so everything it touches that was allocated before
+its capture must outlive it. The KV cache's read workspace grows with the largest read, and a
+graph captured before a growth would write into freed memory (the CPU emulation below caught it).
+So with graphs on, the workspace is reserved once at the largest padded read they allow
+(`max_read_bytes`, also taken out of the KV budget), and larger eager reads get a buffer of their
+own.
+
+Off the GPU the same padded path runs without capture, or under a CPU emulation of capture and
+replay (tests/engine/graph_emulator.py): tests check both against the eager path token for token.
 """
 
 from __future__ import annotations
@@ -24,12 +33,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.paged_attention import AttentionMetadata, DecodeGroup
 
 logger = logging.getLogger("jitney.engine.graphs")
 
+# A padded step reads padded x width blocks per layer into the workspace graphs keep: past this,
+# eager (and this is the most memory the workspace holds).
+MAX_READ_BYTES = 1 << 30
+
 Forward = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
+# Records a step once: (replay, the step's output tensor, which every replay rewrites).
+GraphCapture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -44,10 +59,33 @@ def width_bucket(blocks: int) -> int:
     return max(4, 1 << (blocks - 1).bit_length())
 
 
+@dataclass
+class CudaGraphCapture:
+    """GraphCapture on CUDA: warm-up on a side stream, then capture; graphs share one memory
+    pool (they never run at once)."""
+
+    pool: object | None = None
+
+    def __call__(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        # Warm-up first: lazy initialisations (cuBLAS handles, autotuning) must not happen
+        # inside the capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = step()
+        self.pool = graph.pool()
+        return graph.replay, output
+
+
 @dataclass(slots=True)
 class _Graph:
-    graph: torch.cuda.CUDAGraph | None  # None: the padded path runs eagerly (no capture)
-    logits: torch.Tensor | None = None  # the captured output, rewritten by each replay
+    replay: Callable[[], None]
+    logits: torch.Tensor  # the captured output, rewritten by each replay
 
 
 @dataclass
@@ -58,14 +96,12 @@ class DecodeGraphs:
     kv_cache: PagedKVCache
     max_batch: int
     max_width: int  # blocks per table: the static tables' width (the longest context's)
-    capture: bool  # CUDA graphs; False: the same padded path, eagerly (tests off the GPU)
+    capture: GraphCapture | None  # CudaGraphCapture; None: the same padded path, eagerly
     buckets: list[int] = field(init=False)
     graphs: dict[tuple[int, int], _Graph] = field(init=False, default_factory=dict)
     num_steps: int = 0  # decode steps run on this path (replayed, or padded eagerly)
     failed: str | None = None  # why capture was given up (then every step runs eagerly)
-    # A padded step reads padded x width blocks per layer into one workspace: past this, eager.
-    max_read_bytes: int = 1 << 30
-    _pool: object | None = None
+    max_read_bytes: int = MAX_READ_BYTES
 
     def __post_init__(self) -> None:
         self.buckets = batch_buckets(self.max_batch)
@@ -80,6 +116,8 @@ class DecodeGraphs:
         self.tables = torch.full((n, w), self.scratch_block, dtype=torch.long, device=device)
         self.logits_rows = torch.arange(n, device=device)
         self._scratch_slot = scratch_slot
+        if self.capture is not None:  # graphs hold the workspace's address: it must never move
+            self.kv_cache.reserve_workspace(self.workspace_bytes())
 
     def fits(self, batch: int, max_ctx: int) -> bool:
         """Whether a decode step of `batch` rows, the longest at context `max_ctx`, goes here."""
@@ -87,9 +125,16 @@ class DecodeGraphs:
             return False
         width = width_bucket(-(-max_ctx // self.kv_cache.block_size))
         padded = next(b for b in self.buckets if b >= batch)
-        spec = self.kv_cache.spec
-        block_bytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype_size
-        return width <= self.max_width and padded * width * block_bytes <= self.max_read_bytes
+        return width <= self.max_width and padded * width <= self._max_read_blocks()
+
+    def workspace_bytes(self) -> int:
+        """The largest read a padded step makes (K and V of one layer): the workspace to keep."""
+        return decode_read_bytes(
+            self.kv_cache.spec, self.max_batch, self.max_width, self.max_read_bytes
+        )
+
+    def _max_read_blocks(self) -> int:
+        return self.max_read_bytes // self.kv_cache.spec.read_bytes_per_block
 
     def run(
         self,
@@ -146,32 +191,24 @@ class DecodeGraphs:
         return self.forward(self.input_ids[:padded], self._metadata(padded, width))
 
     def _replay(self, padded: int, width: int) -> torch.Tensor:
-        if not self.capture:
+        if self.capture is None:
             return self._step(padded, width)
         entry = self.graphs.get((padded, width))
         if entry is None:
             try:
-                entry = self.graphs[(padded, width)] = self._capture(padded, width)
+                replay, logits = self.capture(lambda: self._step(padded, width))
             except RuntimeError as e:  # give up on graphs, keep serving eagerly
                 self.failed = f"capture of batch {padded} width {width} failed: {e}"
                 logger.warning("cuda graphs off: %s", self.failed)
                 return self._step(padded, width)
-        assert entry.graph is not None and entry.logits is not None
-        entry.graph.replay()
+            entry = self.graphs[(padded, width)] = _Graph(replay, logits)
+            logger.debug("captured decode graph batch=%d width=%d", padded, width)
+        entry.replay()
         return entry.logits
 
-    def _capture(self, padded: int, width: int) -> _Graph:
-        # Warm-up on a side stream first: lazy initialisations (workspace growth, cuBLAS
-        # handles) must not happen inside the capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(padded, width)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(padded, width)
-        self._pool = graph.pool()  # graphs share one memory pool (they never run at once)
-        logger.debug("captured decode graph batch=%d width=%d", padded, width)
-        return _Graph(graph, logits)
+
+def decode_read_bytes(spec: KVCacheSpec, max_batch: int, max_width: int, cap: int) -> int:
+    """Bytes of the largest padded decode read (K and V of one layer), at most `cap`: the
+    workspace graphs reserve, so also part of what the KV budget must leave free."""
+    blocks = min(batch_buckets(max_batch)[-1] * max_width, cap // spec.read_bytes_per_block)
+    return blocks * spec.read_bytes_per_block

@@ -81,6 +81,11 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
+    @property
+    def read_bytes_per_block(self) -> int:
+        """K and V of one block of one layer: what `PagedKVCache.read_blocks` copies per id."""
+        return self.bytes_per_block // self.num_layers
+
     def num_blocks_for_budget(self, budget_bytes: int | str) -> int:
         """How many whole blocks fit in ``budget_bytes`` (0 when not even one does)."""
         return parse_bytes(budget_bytes) // self.bytes_per_block
@@ -123,8 +128,10 @@ class PagedKVCache:
         self.key_slots = [k.view(shape) for k in self.key_cache]
         self.value_slots = [v.view(shape) for v in self.value_cache]
         # What read_blocks copies into; grows to the largest read so far (at most about one
-        # layer's pool: a step reads each running sequence's blocks, padded within a group).
+        # layer's pool: a step reads each running sequence's blocks, padded within a group),
+        # unless reserved at a fixed size.
         self._workspace = torch.empty(0, dtype=spec.dtype, device=self.device)
+        self._workspace_fixed = False
 
     @classmethod
     def from_budget(
@@ -150,13 +157,31 @@ class PagedKVCache:
         head_dim]``: views of the workspace, valid until the next read."""
         shape = (blocks.numel(), *self.key_cache[layer].shape[1:])
         size = blocks.numel() * self.key_cache[layer][0].numel()
-        if self._workspace.numel() < 2 * size:
-            grown = max(2 * size, 3 * self._workspace.numel() // 2)  # amortize slow growth
-            self._workspace = torch.empty(grown, dtype=self.spec.dtype, device=self.device)
-        k, v = self._workspace[:size].view(shape), self._workspace[size : 2 * size].view(shape)
+        workspace = self._workspace
+        if workspace.numel() < 2 * size:
+            if self._workspace_fixed:  # a larger read than reserved: this read's own buffer
+                workspace = torch.empty(2 * size, dtype=self.spec.dtype, device=self.device)
+            else:
+                grown = max(2 * size, 3 * workspace.numel() // 2)  # amortize slow growth
+                workspace = self._workspace = torch.empty(
+                    grown, dtype=self.spec.dtype, device=self.device
+                )
+        k, v = workspace[:size].view(shape), workspace[size : 2 * size].view(shape)
         torch.index_select(self.key_cache[layer], 0, blocks, out=k)
         torch.index_select(self.value_cache[layer], 0, blocks, out=v)
         return k, v
+
+    def reserve_workspace(self, num_bytes: int) -> None:
+        """Give the read workspace `num_bytes` now and never replace it: a captured CUDA graph
+        reads through its address, and a grown workspace would free the memory it writes."""
+        numel = -(-num_bytes // self.spec.dtype_size)
+        if self._workspace_fixed:
+            if self._workspace.numel() < numel:
+                raise ValueError(f"the workspace is fixed at {self._workspace.numel()} elements")
+            return
+        if self._workspace.numel() < numel:
+            self._workspace = torch.empty(numel, dtype=self.spec.dtype, device=self.device)
+        self._workspace_fixed = True
 
     @property
     def block_size(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from engine.capacity import KVCapacity, budget_bytes, plan_capacity
 from engine.config import EngineConfig
+from engine.decode_graphs import MAX_READ_BYTES, CudaGraphCapture, decode_read_bytes, width_bucket
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.memory_profile import step_peak_bytes
 from engine.model_loader import LoadedModel, load_model
@@ -122,11 +123,17 @@ class Engine:
             config.block_size,
         )
         step_peak = None
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if self.device.type == "cuda" and config.kv_cache_memory is None:
-            # What the largest step needs beside the cache, measured (engine/memory_profile.py).
+            # What the largest step needs beside the cache, measured (engine/memory_profile.py),
+            # and the read workspace decode graphs keep (at most the longest context's).
             step_peak = step_peak_bytes(
                 model, spec, config.max_num_batched_tokens, config.max_num_seqs
             )
+            if use_graphs:
+                longest = config.max_model_len or self.loaded.max_model_len
+                width = width_bucket(-(-longest // config.block_size))
+                step_peak += decode_read_bytes(spec, config.max_num_seqs, width, MAX_READ_BYTES)
         budget = budget_bytes(config, self.device, step_peak)
         self.capacity: KVCapacity = plan_capacity(config, spec, self.loaded.max_model_len, budget)
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.
@@ -137,8 +144,10 @@ class Engine:
         )
         self.policy = make_policy(config.batching, config.scheduler_config(), self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
+        if use_graphs:
+            self.runner.enable_decode_graphs(
+                config.max_num_seqs, self.max_model_len, CudaGraphCapture()
+            )
         self.requests: dict[str, _Request] = {}  # by sequence: one per choice of a request
         self.choices: dict[str, list[str]] = {}  # request id -> its choices' sequence ids
         # Sequences with a grammar, and those still collecting prompt log-probs: most steps

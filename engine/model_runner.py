@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from engine.decode_graphs import DecodeGraphs, width_bucket
+from engine.decode_graphs import DecodeGraphs, GraphCapture, width_bucket
 from engine.input_batch import InputBatch
 from engine.kv_cache import PagedKVCache
 from engine.paged_attention import AttentionMetadata, model_forward, use_paged_attention
@@ -25,9 +25,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graph_ctx: list[int] | None = None  # set by prepare for a step graphs take
 
-    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
-        """Run decode-only steps through DecodeGraphs (the KV pool's last block is their
-        scratch block, so it must lie outside the block manager's pool)."""
+    def enable_decode_graphs(
+        self, max_batch: int, max_model_len: int, capture: GraphCapture | None
+    ) -> None:
+        """Run decode-only steps through DecodeGraphs, captured by `capture` (None: padded but
+        eager). The KV pool's last block is their scratch block, so it must lie outside the
+        block manager's pool."""
         blocks = -(-max_model_len // self.kv_cache.block_size)
         self.graphs = DecodeGraphs(
             lambda ids, meta: model_forward(self.model, ids, None, meta, self.kv_cache),

@@ -10,11 +10,13 @@ import random
 import pytest
 import torch
 
-from engine.decode_graphs import batch_buckets, width_bucket
+from engine.decode_graphs import batch_buckets, decode_read_bytes, width_bucket
+from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import Engine
 from engine.model_loader import load_model
 from protocol.sampling import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine
+from tests.engine.graph_emulator import EmulatedGraphCapture
 
 MODEL = "tiny-random"
 
@@ -29,6 +31,25 @@ def test_batch_buckets_cover_every_size_up_to_the_largest():
 
 def test_width_buckets_are_powers_of_two_from_four():
     assert [width_bucket(b) for b in (1, 4, 5, 8, 9, 33)] == [4, 4, 8, 8, 16, 64]
+
+
+def test_the_reserved_workspace_covers_every_step_graphs_take():
+    """Graphs keep the workspace at its largest padded read; a step that fits never reads more."""
+    engine = _engine(True, EmulatedGraphCapture())
+    graphs, cache = engine.runner.graphs, engine.kv_cache
+    assert graphs is not None
+    reserved = cache._workspace.numel() * cache.spec.dtype_size
+    assert reserved == graphs.workspace_bytes() > 0
+    for batch in range(1, 13):
+        for ctx in range(1, engine.max_model_len + 1, 7):
+            if graphs.fits(batch, ctx):
+                padded = next(b for b in graphs.buckets if b >= batch)
+                width = width_bucket(-(-ctx // cache.block_size))
+                assert padded * width * cache.spec.read_bytes_per_block <= reserved
+    spec = KVCacheSpec(32, 8, 128, torch.bfloat16, 16)  # Llama 3.1 8B: 64 KiB per block read
+    assert spec.read_bytes_per_block == 64 * 1024
+    assert decode_read_bytes(spec, 256, 512, 1 << 30) == 1 << 30  # capped
+    assert decode_read_bytes(spec, 4, 8, 1 << 30) == 4 * 8 * 64 * 1024
 
 
 def _requests(seed: int = 1) -> list[tuple[list[int], int]]:
@@ -61,11 +82,11 @@ def _run(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, lis
     return outputs
 
 
-def _engine(padded: bool, **config: object) -> Engine:
+def _engine(padded: bool, capture: EmulatedGraphCapture | None = None, **config: object) -> Engine:
     settings = {"kv_cache_memory": "160KiB", "max_num_seqs": 12, "max_num_batched_tokens": 64}
     engine = make_engine(load_model(MODEL), **{**settings, **config})
     if padded:
-        engine.runner.enable_decode_graphs(12, engine.max_model_len, capture=False)
+        engine.runner.enable_decode_graphs(12, engine.max_model_len, capture)
     return engine
 
 
@@ -79,6 +100,24 @@ def test_padded_decode_steps_give_the_eager_tokens_under_joins_chunks_and_preemp
     for i, (prompt, _) in enumerate(requests):
         assert_greedy_parity(ref, prompt, padded[str(i)], eager[str(i)])
     padded_engine.block_manager.check_integrity()
+
+
+def test_emulated_graphs_give_the_eager_tokens_under_joins_chunks_and_preemption(ref):
+    """Capture and replay as CUDA does them (tests/engine/graph_emulator.py): host values frozen
+    at capture, no host sync inside, memory from before the capture kept alive. Mixed steps in
+    between read more blocks than a graph's step, which once moved the workspace graphs write."""
+    requests = _requests(2)
+    capture = EmulatedGraphCapture()
+    eager_engine, graphed_engine = _engine(False), _engine(True, capture)
+    eager, graphed = _run(eager_engine, requests), _run(graphed_engine, requests)
+    graphs = graphed_engine.runner.graphs
+    assert graphs is not None and graphs.failed is None
+    assert len(graphs.graphs) >= 4  # several (batch, width) pairs were captured
+    assert sum(g.replays for g in capture.graphs) == graphs.num_steps > 50
+    assert graphed_engine.policy.stats.num_preemptions_total > 0
+    for i, (prompt, _) in enumerate(requests):
+        assert_greedy_parity(ref, prompt, graphed[str(i)], eager[str(i)])
+    graphed_engine.block_manager.check_integrity()
 
 
 def test_padding_rows_write_only_the_scratch_block_outside_the_pool():

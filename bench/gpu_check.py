@@ -404,7 +404,14 @@ def environment(device: torch.device) -> dict[str, Any]:
 SECTIONS = ("correctness", "decode", "mixed")
 
 
-def run_checks(device: torch.device, profile: Profile, sections: tuple[str, ...]) -> dict:
+def run_checks(
+    device: torch.device,
+    profile: Profile,
+    sections: tuple[str, ...],
+    done: Callable[[dict[str, Any]], None] = lambda results: None,
+) -> dict:
+    """Run `sections` in order; `done(results so far)` after each one, so a run cut short by a
+    time limit still leaves what it measured."""
     checks: dict[str, Callable[[], dict[str, Any]]] = {
         "correctness": lambda: check_correctness(device),
         "decode": lambda: check_decode(device, profile),
@@ -420,6 +427,7 @@ def run_checks(device: torch.device, profile: Profile, sections: tuple[str, ...]
             results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         results[name]["seconds"] = time.perf_counter() - start
         _free(device)
+        done(results)
     return results
 
 
@@ -514,6 +522,17 @@ def _seconds(results: dict[str, Any]) -> list[str]:
     return [f"{name} {results[name]['seconds']:.1f} s" for name in SECTIONS if name in results]
 
 
+def write_results(out: Path, results: dict[str, Any]) -> None:
+    """Both files, each replaced whole (a run killed mid-write leaves the previous version)."""
+    for name, text in (
+        ("results.md", markdown(results)),
+        ("results.json", json.dumps(results, indent=2, default=str)),
+    ):
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(out / name)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir", help="where results.json and results.md go")
@@ -530,11 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
     profile = GPU_PROFILE if device.type == "cuda" else CPU_PROFILE
     torch.manual_seed(0)
-    results = run_checks(device, profile, sections)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "results.md").write_text(markdown(results))
+    results = run_checks(device, profile, sections, lambda partial: write_results(out, partial))
     print(markdown(results))
     failed = [s for s in sections if "error" in results[s]]
     if "correctness" in sections and not results["correctness"].get("passed"):

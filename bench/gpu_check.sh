@@ -1,6 +1,6 @@
 #!/bin/sh
 # The GPU bring-up check (bench/gpu_check.py): correctness, the 8B decode step, a mixed trace.
-#   bench/gpu_check.sh OUT_DIR                 on a CUDA machine (about 5 minutes on an H200)
+#   bench/gpu_check.sh OUT_DIR                 on a CUDA machine (sized for 8 minutes; never run on one)
 #   bench/gpu_check.sh OUT_DIR --device cpu    small shapes, on any machine (make test runs it)
 # Runs from a plain copy of the repository: only torch, transformers, tokenizers and numpy are
 # needed, no Redis, no SmolLM2, no install. PYTHON picks the interpreter (default python3).

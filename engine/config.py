@@ -9,6 +9,7 @@ import torch
 from scheduler import POLICIES, SchedulerConfig
 from scheduler.config import SCHEDULER_DEFAULTS as SCHED
 
+DECODE_ATTENTION = ("auto", "triton", "gather")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,6 +33,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CUDA graphs for decode-only steps (engine/decode_graphs.py); True: every step eager.
     enforce_eager: bool = False
+    # How decode tokens attend: "triton" reads K/V in place (engine/triton_decode.py), "gather"
+    # copies blocks then runs SDPA (any device); "auto": triton on CUDA where it runs, else gather.
+    decode_attention: str = "auto"
     cache_dir: str | None = None
     noop_step_ms: float = 0.0  # --model noop only: what its fake forward sleeps per step
 
@@ -46,6 +50,10 @@ class EngineConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
+            )
         if self.noop_step_ms < 0:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -13,8 +13,9 @@ Inputs are copied into static buffers, then the graph of that (batch, width) rep
 logits into one output buffer all graphs share: an output of its own would stay allocated with
 each graph (256 KB per row of a 128k vocabulary in bf16, times every bucket and width: GBs). A
 graph is captured the first time its pair occurs, after two warm-up runs on a side stream (the
-standard recipe). Mixed steps (any prefill chunk), batches above the largest bucket and steps whose padded
-read would pass `max_read_bytes` run eagerly as before.
+standard recipe). Mixed steps (any prefill chunk), batches above the largest bucket and, on the
+gather path, steps whose padded read would pass `max_read_bytes` run eagerly as before. (The
+Triton decode kernel reads each row's own context in place: a wider table costs it nothing.)
 
 A graph reads and writes memory by address, so everything it touches that was allocated before
 its capture must outlive it. The KV cache's read workspace grows with the largest read, and a
@@ -121,7 +122,8 @@ class DecodeGraphs:
         # Every graph writes its logits into this one buffer (a view of its first rows): a
         # graph's own output would stay allocated for as long as the graph, one per shape.
         self._logits: torch.Tensor | None = None
-        if self.capture is not None:  # graphs hold the workspace's address: it must never move
+        if self.capture is not None and not self.kv_cache.decode_kernel:
+            # Graphs hold the workspace's address: it must never move.
             self.kv_cache.reserve_workspace(self.workspace_bytes())
 
     def fits(self, batch: int, max_ctx: int) -> bool:
@@ -139,6 +141,8 @@ class DecodeGraphs:
         )
 
     def _max_read_blocks(self) -> int:
+        if self.kv_cache.decode_kernel:  # no copy: the table's width bounds nothing
+            return self.max_batch * self.max_width
         return self.max_read_bytes // self.kv_cache.spec.read_bytes_per_block
 
     def run(

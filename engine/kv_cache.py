@@ -108,11 +108,19 @@ class PagedKVCache:
     """Preallocated K/V blocks for every layer; ``key_cache[l]``/``value_cache[l]`` are views of
     shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` into one tensor."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+        decode_kernel: bool = False,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
+        # Decode tokens attend in place (engine/triton_decode.py) instead of via read_blocks.
+        self.decode_kernel = decode_kernel
         self.device = torch.device(device)
         # [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]; zeros so that reads of
         # padding slots (always masked out) never see NaN/Inf garbage.

@@ -32,6 +32,7 @@ from engine.sampling import (
 )
 from engine.step_timing import PhaseClock, StepTiming, sync_device
 from engine.structured import Grammars, apply_masks
+from engine.triton_decode import DecodeShape, resolve_decode_attention
 from protocol.detokenizer import IncrementalDetokenizer
 from protocol.sampling import SamplingParams
 from scheduler import (
@@ -124,23 +125,39 @@ class Engine:
         )
         step_peak = None
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        shape = DecodeShape(
+            getattr(model.config, "num_attention_heads", spec.num_kv_heads),
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.block_size,
+            spec.dtype,
+        )
+        decode_kernel, why_not = resolve_decode_attention(
+            config.decode_attention, self.device, shape
+        )
+        # What decode attention runs, and why not the kernel (bench/gpu_check.py reports it).
+        self.decode_attention = "triton" if decode_kernel else "gather"
+        self.decode_kernel_unused_because = why_not
+        if why_not is not None and self.device.type == "cuda":
+            logger.warning("decode attention: gather (%s)", why_not)
         if self.device.type == "cuda" and config.kv_cache_memory is None:
             # What the largest step needs beside the cache, measured (engine/memory_profile.py),
-            # and what decode graphs keep: the read workspace (at most the longest context's)
-            # and their shared logits buffer.
+            # and what decode graphs keep: their shared logits buffer and, unless the kernel
+            # reads K/V in place, the read workspace (at most the longest context's).
             step_peak = step_peak_bytes(
-                model, spec, config.max_num_batched_tokens, config.max_num_seqs
+                model, spec, config.max_num_batched_tokens, config.max_num_seqs, decode_kernel
             )
             if use_graphs:
+                step_peak += config.max_num_seqs * self.vocab_size * model.dtype.itemsize
+            if use_graphs and not decode_kernel:
                 longest = config.max_model_len or self.loaded.max_model_len
                 width = width_bucket(-(-longest // config.block_size))
                 step_peak += decode_read_bytes(spec, config.max_num_seqs, width, MAX_READ_BYTES)
-                step_peak += config.max_num_seqs * self.vocab_size * model.dtype.itemsize
         budget = budget_bytes(config, self.device, step_peak)
         self.capacity: KVCapacity = plan_capacity(config, spec, self.loaded.max_model_len, budget)
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.
         # One block more than the scheduler's: the scratch block padded decode rows write to.
-        self.kv_cache = PagedKVCache(spec, self.capacity.num_blocks + 1, self.device)
+        self.kv_cache = PagedKVCache(spec, self.capacity.num_blocks + 1, self.device, decode_kernel)
         self.block_manager = KVBlockManager(
             self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
         )

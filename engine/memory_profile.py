@@ -35,12 +35,18 @@ def largest_step_layout(
 
 
 def run_largest_step(
-    model: torch.nn.Module, spec: KVCacheSpec, num_tokens: int, num_seqs: int
+    model: torch.nn.Module,
+    spec: KVCacheSpec,
+    num_tokens: int,
+    num_seqs: int,
+    decode_kernel: bool = False,
 ) -> None:
-    """One dummy step of the largest shape on a scratch pool (freed on return)."""
+    """One dummy step of the largest shape on a scratch pool (freed on return), through the
+    decode attention the engine will use."""
     device = next(model.parameters()).device
     layout = largest_step_layout(num_tokens, num_seqs, spec.block_size)
-    pool = PagedKVCache(spec, sum(len(blocks) for _, _, blocks in layout), device)
+    num_blocks = sum(len(blocks) for _, _, blocks in layout)
+    pool = PagedKVCache(spec, num_blocks, device, decode_kernel)
     use_paged_attention(model)
     meta = AttentionMetadata.build(layout, pool, input_ids=[0] * num_tokens)
     assert meta.input_ids is not None
@@ -49,18 +55,22 @@ def run_largest_step(
 
 
 def step_peak_bytes(
-    model: torch.nn.Module, spec: KVCacheSpec, num_tokens: int, num_seqs: int
+    model: torch.nn.Module,
+    spec: KVCacheSpec,
+    num_tokens: int,
+    num_seqs: int,
+    decode_kernel: bool = False,
 ) -> int | None:
     """Bytes the largest step allocates beyond what was allocated before it (CUDA); None on a
     device without allocator statistics (the step still runs, so its shapes are checked)."""
     device = next(model.parameters()).device
     if device.type != "cuda":
-        run_largest_step(model, spec, num_tokens, num_seqs)
+        run_largest_step(model, spec, num_tokens, num_seqs, decode_kernel)
         return None
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    run_largest_step(model, spec, num_tokens, num_seqs)
+    run_largest_step(model, spec, num_tokens, num_seqs, decode_kernel)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()

@@ -37,6 +37,7 @@ import transformers
 
 from engine.input_batch import InputBatch
 from engine.kv_cache import PagedKVCache
+from engine.triton_decode import paged_decode_attention
 
 ATTN_IMPLEMENTATION = "jitney_paged"
 # A new decode group costs one more read + SDPA per layer; it pays when the padding it avoids
@@ -161,9 +162,14 @@ class AttentionMetadata:
         decodes = np.flatnonzero(len_a == 1)
         dec_ctx = start_a[decodes] + 1
         # Members in packing order within a group, so an all-decode group is a slice of rows.
-        groups = [
-            decodes[sorted(g)] for g in group_decodes(dec_ctx.tolist(), DECODE_GROUP_COST_TOKENS)
-        ]
+        # The in-place kernel reads each row's own context, whatever the others': one group.
+        if kv_cache.decode_kernel:
+            groups = [decodes] if len(decodes) else []
+        else:
+            groups = [
+                decodes[sorted(g)]
+                for g in group_decodes(dec_ctx.tolist(), DECODE_GROUP_COST_TOKENS)
+            ]
         members = np.concatenate(groups) if groups else decodes
         dev = batch.upload(
             input_ids or [],
@@ -217,7 +223,7 @@ class AttentionMetadata:
             prefills=prefills,
             table_rows=token_rows_t,
         )
-        for g in range(len(dec_groups)):
+        for g in range(0 if kv_cache.decode_kernel else len(dec_groups)):
             meta.decode_mask(g, None)
         for i in range(len(prefills)):
             meta.prefill_mask(i, None)
@@ -301,7 +307,9 @@ def paged_attention_forward(
     out = query.new_empty(num_tokens, num_heads, head_dim)
 
     queries = query[0].transpose(0, 1)  # [T, heads, d]
-    for g, group in enumerate(meta.decodes):
+    if cache.decode_kernel:
+        _decode_in_place(meta, cache, layer, queries, out, scaling, window)
+    for g, group in enumerate([] if cache.decode_kernel else meta.decodes):
         q = queries[group.rows]  # [n, heads, d]
         num_dec = q.shape[0]
         # Head h uses kv head h // groups, so groups fold into the query-length axis: no repeat.
@@ -338,6 +346,33 @@ def paged_attention_forward(
         )
         out[c.q_start : c.q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out.unsqueeze(0), None
+
+
+def _decode_in_place(
+    meta: AttentionMetadata,
+    cache: PagedKVCache,
+    layer: int,
+    queries: torch.Tensor,  # [T, heads, d]
+    out: torch.Tensor,  # [T, heads, d]
+    scaling: float | None,
+    window: int | None,
+) -> None:
+    """Every decode group through engine/triton_decode.py: K/V read where they lie."""
+    scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
+    for group in meta.decodes:
+        rows = out[group.rows] if isinstance(group.rows, slice) else None  # a view: no copy
+        o = paged_decode_attention(
+            queries[group.rows],
+            cache.key_cache[layer],
+            cache.value_cache[layer],
+            group.blocks.view(-1, group.num_blocks),
+            meta.decode_ctx[group.members],
+            scale,
+            window,
+            out=rows,
+        )
+        if rows is None:
+            out[group.rows] = o
 
 
 def register() -> None:

@@ -83,6 +83,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no CUDA graphs: decode-only steps run eagerly like every other step",
     )
+    g.add_argument(
+        "--decode-attention",
+        choices=("auto", "triton", "gather"),
+        default="auto",
+        help="decode attention: triton reads K/V in place (CUDA), gather copies blocks then "
+        "runs SDPA (any device); auto: triton on CUDA where it runs, else gather",
+    )
     g.add_argument("--cache-dir", default=None, help="converted-model cache (JITNEY_CACHE_DIR)")
 
 
@@ -105,6 +112,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        decode_attention=args.decode_attention,
         cache_dir=args.cache_dir,
         noop_step_ms=args.noop_step_ms,
     )

@@ -60,15 +60,31 @@ def test_the_cpu_run_checks_correctness_and_writes_every_section(plain_copy, tmp
     assert correctness["passed"] and not correctness["near_tie_failures"]
     assert correctness["preemptions"] > 0  # the small pool really forced preemption
     assert 0 <= correctness["bf16_first_32_agreement"] <= 1
-    decode = results["decode"]
+    decode, runs = results["decode"], results["mixed"]["runs"]
     assert [row["batch"] for row in decode["rows"]] == [1, 4, 16]
     assert decode["weight_read_bound_ms"] > 0 and decode["bandwidth_gb_s"] > 0
     assert all(row["eager_step_ms"] >= row["eager_forward_ms"] > 0 for row in decode["rows"])
-    runs = results["mixed"]["runs"]
+    assert {row["decode_attention"] for row in decode["rows"]} == {"gather"}  # auto, on a CPU
+    assert runs["jitney-continuous"]["decode_attention"] == "gather"
     assert runs["jitney-continuous"]["tokens_per_s"] > 0 and runs["hf-generate"]["jitney_ratio"]
     assert results["environment"]["torch"]
     table = (out / "results.md").read_text()
     assert "| batch | context |" in table and "| jitney-continuous |" in table
+
+
+def test_the_decode_section_with_the_triton_kernel_measures_the_gather_path_beside_it(
+    plain_copy, tmp_path
+):
+    """As `auto` runs on a GPU: the kernel (here under Triton's interpreter, TRITON_INTERPRET=1
+    from tests/conftest.py), and at the comparison batch the same step on the gather path."""
+    out = tmp_path / "gpu"
+    flags = "--device cpu --sections decode --decode-attention triton".split()
+    done = run_check(plain_copy, str(out), *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["decode"]["rows"]
+    assert {row["decode_attention"] for row in rows} == {"triton"}
+    assert [row["batch"] for row in rows if row["gather_step_ms"]] == [4]  # CPU_PROFILE's
+    assert "Decode attention: triton" in (out / "results.md").read_text()
 
 
 def test_without_cuda_the_default_run_says_so(plain_copy, tmp_path):

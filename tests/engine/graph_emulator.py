@@ -15,7 +15,9 @@ under a TorchDispatchMode that records every aten op, then replays that op list:
   graph would silently read or write freed memory.
 After capture, the outputs of computing ops are filled with NaN, because a CUDA capture computes
 nothing: a caller that reads them before the first replay sees garbage here too.
-Not emulated: ``.tolist()`` and ``.cpu()`` (no dispatched op tells a host copy on the CPU),
+Triton kernels launch outside torch's dispatcher: tests patch `kernel_as_op` in for the decode
+kernel, so the recorder sees its launch as one op and replays it. Not emulated: ``.tolist()`` and
+``.cpu()`` (no dispatched op tells a host copy on the CPU),
 random-number state, and streams.
 """
 
@@ -29,6 +31,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from engine.triton_decode import paged_decode_attention
 
 aten = torch.ops.aten
 
@@ -211,3 +215,28 @@ class EmulatedGraphCapture:
         graph = EmulatedGraph(recorder.ops, slots, output)
         self.graphs.append(graph)
         return graph.replay, output
+
+
+@torch.library.custom_op("jitney_test::paged_decode", mutates_args=("out",))
+def _paged_decode_op(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    out: torch.Tensor,
+) -> None:
+    paged_decode_attention(
+        query, key_cache, value_cache, block_tables, ctx_lens, scale, window or None, out
+    )
+
+
+def kernel_as_op(query, key_cache, value_cache, block_tables, ctx_lens, scale, window, out):
+    """engine.triton_decode.paged_decode_attention launched through a torch op, for tests to
+    patch in: a Triton launch is no torch op, so the recorder would not see it (a CUDA graph
+    records it like any kernel)."""
+    out = torch.empty(query.shape, dtype=key_cache.dtype) if out is None else out
+    _paged_decode_op(query, key_cache, value_cache, block_tables, ctx_lens, scale, window or 0, out)
+    return out

@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from engine import random_models
+from engine import paged_attention, random_models
 from engine.model_loader import LoadedModel, load_model
 from engine.random_models import (
     RANDOM_MODELS,
@@ -25,7 +25,7 @@ from engine.random_models import (
 )
 from protocol.sampling import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
-from tests.engine.graph_emulator import EmulatedGraphCapture
+from tests.engine.graph_emulator import EmulatedGraphCapture, kernel_as_op
 
 FAMILIES = ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"]
 # Two layers of GQA (4 query heads, 2 KV heads) in 64 dimensions; the vocabulary stays real.
@@ -176,14 +176,22 @@ def test_engine_greedy_matches_transformers_generate(name):
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("decode_attention", ["gather", "triton"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_each_family_replays_its_decode_steps_as_captured_graphs(name):
+def test_each_family_replays_its_decode_steps_as_captured_graphs(
+    name, decode_attention, monkeypatch
+):
     """Each family's forward (Llama 3 RoPE scaling, Qwen3 q/k norms) captures without a host
-    sync and replays the eager tokens, under CUDA-graph semantics emulated on the CPU."""
+    sync and replays the eager tokens, under CUDA-graph semantics emulated on the CPU, with
+    either decode attention (the Triton kernel under its interpreter)."""
+    if decode_attention == "triton":
+        monkeypatch.setattr(paged_attention, "paged_decode_attention", kernel_as_op)
     rng = random.Random(1)
     prompts = [[rng.randrange(1000) for _ in range(n)] for n in (5, 40, 17)]
     eager = make_engine(load_small(name), kv_cache_memory="16MiB").generate(prompts, greedy(12))
-    graphed = make_engine(load_small(name), kv_cache_memory="16MiB")
+    graphed = make_engine(
+        load_small(name), kv_cache_memory="16MiB", decode_attention=decode_attention
+    )
     capture = EmulatedGraphCapture()
     graphed.runner.enable_decode_graphs(8, graphed.max_model_len, capture)
     results = graphed.generate(prompts, greedy(12))

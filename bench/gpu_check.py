@@ -583,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (small shapes)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of sections")
     p.add_argument(
+        "--decode-batches",
+        default=None,
+        help="comma list of section 2's batch sizes (default: the profile's, 1..256 on a GPU)",
+    )
+    p.add_argument(
         "--decode-attention",
         choices=("auto", "triton", "gather"),
         default="auto",
@@ -599,6 +604,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
     profile = GPU_PROFILE if device.type == "cuda" else CPU_PROFILE
     profile = replace(profile, decode_attention=args.decode_attention)
+    if args.decode_batches:
+        try:
+            batches = tuple(int(b) for b in args.decode_batches.split(","))
+        except ValueError:
+            batches = ()
+        if not batches or min(batches) < 1:
+            p.error(f"--decode-batches takes positive integers, got {args.decode_batches!r}")
+        profile = replace(profile, decode_batches=batches)
     torch.manual_seed(0)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,10 @@ three times, against 16 GB of weights). This kernel reads each live key and valu
   block through the block table (positions past the context, or before a sliding window, are
   masked: a padded table costs nothing), with an online softmax (running max and sum) in fp32.
 Triton is imported lazily: it is present beside CUDA builds of torch (the lent H200 has 3.6).
-`use_decode_kernel` decides (EngineConfig.decode_attention, `--decode-attention`). The tests run
-it on the CPU under Triton's interpreter (TRITON_INTERPRET=1, fp32 and fp16: the interpreter
-mishandles bf16).
+`resolve_decode_attention` decides (EngineConfig.decode_attention, `--decode-attention`), after a
+self-check that compiles the kernel for the model's shape and compares it with gathered SDPA.
+The tests run it on the CPU under Triton's interpreter (TRITON_INTERPRET=1, fp32 and fp16: the
+interpreter mishandles bf16).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import gpu_check
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -78,10 +80,11 @@ def test_the_decode_section_with_the_triton_kernel_measures_the_gather_path_besi
     """As `auto` runs on a GPU: the kernel (here under Triton's interpreter, TRITON_INTERPRET=1
     from tests/conftest.py), and at the comparison batch the same step on the gather path."""
     out = tmp_path / "gpu"
-    flags = "--device cpu --sections decode --decode-attention triton".split()
-    done = run_check(plain_copy, str(out), *flags)
+    flags = "--device cpu --sections decode --decode-attention triton --decode-batches 1,4"
+    done = run_check(plain_copy, str(out), *flags.split())
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["decode"]["rows"]
+    assert [row["batch"] for row in rows] == [1, 4]
     assert {row["decode_attention"] for row in rows} == {"triton"}
     assert [row["batch"] for row in rows if row["gather_step_ms"]] == [4]  # CPU_PROFILE's
     assert "Decode attention: triton" in (out / "results.md").read_text()
@@ -103,6 +106,13 @@ def test_bad_arguments_are_refused(plain_copy, tmp_path):
     assert run_check(plain_copy).returncode == 2  # no output folder
     done = run_check(plain_copy, str(tmp_path), "--device", "cpu", "--sections", "warp")
     assert done.returncode == 2 and "unknown section" in done.stderr
+
+
+@pytest.mark.parametrize("batches", ["4,x", "0", ","])
+def test_bad_decode_batches_are_refused(batches, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main([str(tmp_path), "--device", "cpu", "--decode-batches", batches])
+    assert exited.value.code == 2 and "positive integers" in capsys.readouterr().err
 
 
 def test_it_needs_no_package_the_gpu_machine_lacks(plain_copy, tmp_path):

@@ -176,8 +176,11 @@ def test_engine_greedy_matches_transformers_generate(name):
     assert engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("decode_attention", ["gather", "triton"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(
+    ("name", "decode_attention"),
+    # The kernel once: it sees only attention's inputs, and SMALL gives every family the same.
+    [*((name, "gather") for name in FAMILIES), ("qwen3-8b", "triton")],
+)
 def test_each_family_replays_its_decode_steps_as_captured_graphs(
     name, decode_attention, monkeypatch
 ):

@@ -79,8 +79,8 @@ def test_it_writes_into_a_strided_view_and_nothing_beside_it():
 def _requests(seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(8, 280) for _ in range(rng.randint(3, 50))], rng.randint(8, 24))
-        for _ in range(8)
+        ([rng.randrange(8, 280) for _ in range(rng.randint(3, 50))], rng.randint(8, 20))
+        for _ in range(6)
     ]
 
 
@@ -103,7 +103,7 @@ def _run(engine: Engine, requests: list[tuple[list[int], int]]) -> list[list[int
 def _engine(decode_attention: str) -> Engine:
     return make_engine(
         load_model("tiny-random"),
-        kv_cache_memory="64KiB",  # small enough to preempt
+        kv_cache_memory="48KiB",  # small enough to preempt
         max_num_seqs=8,
         max_num_batched_tokens=32,  # long prompts are chunked
         decode_attention=decode_attention,

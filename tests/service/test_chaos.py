@@ -21,7 +21,7 @@ from tests.service.helpers import MODEL, assert_same_greedy_text, offline, strea
 from tests.services import System, Worker, running_system, start_worker
 
 pytestmark = pytest.mark.slow
-DURATION_S = float(os.environ.get("JITNEY_CHAOS_S", "40"))
+DURATION_S = float(os.environ.get("JITNEY_CHAOS_S", "32"))
 MAX_TOKENS = 60
 SLOW = {"JITNEY_FAILPOINTS": "step_delay_ms=10"}  # requests last long enough to be interrupted
 

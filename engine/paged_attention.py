@@ -13,6 +13,9 @@ untouched to ``paged_attention_forward`` in every layer. That function writes th
   batch would otherwise compute (short sequences padded to the longest one);
 - longer chunks one by one: SDPA with ``is_causal`` when the chunk starts at position 0 (its own
   fresh K/V are the whole context), else an explicit ``[n, keys]`` mask over its blocks.
+With ``PagedKVCache.decode_kernel`` (on CUDA by default, `--decode-attention`), decode tokens
+instead attend in place through a Triton kernel (engine/triton_decode.py), all in one group and
+with no block copied; prefill chunks stay as above.
 Everything index-shaped is built once per step in ``AttentionMetadata.build`` from the
 persistent block table of an ``InputBatch`` (engine/input_batch.py), uploaded in one copy, and
 shared by layers.

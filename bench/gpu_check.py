@@ -4,7 +4,7 @@ Three sections, each recorded even when another fails (results.json + results.md
 1. correctness: on random:tiny, the engine's greedy tokens against transformers (the near-tie
    rule of bench/parity.py) with requests joining mid-run, chunked prefill and a KV pool small
    enough to force preemption; fp32. Then bf16: the share of requests whose first 32 tokens
-   equal the fp32 run's.
+   equal the fp32 run's. And the host syncs of a sampled step's sampler (CUDA only).
 2. decode: random:llama-3.1-8b in bf16, every sequence decoding with a 512-token context, at
    batch 1..256: ms per step, eager and with CUDA graphs, next to the weight-read bound (weight
    bytes over the device bandwidth, measured first with a large copy); the decode attention
@@ -26,6 +26,7 @@ import random
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,6 +44,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.model_loader import LoadedModel, describe_loaded, load_model
 from engine.random_models import RANDOM_PREFIX, build_random_model, random_model_config
+from engine.sampling import TokenHistory, adjust_logits, sample, with_seed
 from engine.step_timing import sync_device
 from protocol.sampling import SamplingParams
 
@@ -178,7 +180,42 @@ def check_correctness(device: torch.device) -> dict[str, Any]:
         "near_tie_failures": failures,
         "preemptions": preemptions,
         "bf16_first_32_agreement": agree / len(requests),
+        "sampling_host_syncs": count_sampling_syncs(device),
     }
+
+
+def count_sampling_syncs(device: torch.device) -> int | None:
+    """Host syncs one sampled step's sampler makes (temperature, top-k, top-p, penalties, bias,
+    min_tokens) on a CUDA device, by torch's sync debug mode; None elsewhere. One is the
+    transfer of the sampled ids back; any more make the host wait on the device mid-step."""
+    if device.type != "cuda":
+        return None
+    rows, vocab = 8, 32000
+    logits = torch.randn(rows, vocab, device=device)
+    params = [
+        with_seed(
+            SamplingParams(
+                temperature=0.8,
+                top_k=50 * (i % 2),
+                top_p=0.9,
+                frequency_penalty=0.5,
+                repetition_penalty=1.1,
+                logit_bias=((7, 2.0),),
+                min_tokens=4,
+            )
+        )
+        for i in range(rows)
+    ]
+    histories = [TokenHistory([1, 2, 3], [4, 5], (2,)) for _ in range(rows)]
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sample(adjust_logits(logits, params, histories), params, [2] * rows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 # ----- 2. decode step ---------------------------------------------------------------------------
@@ -492,6 +529,8 @@ def _md_correctness(c: dict[str, Any]) -> list[str]:
         f"{'**pass**' if c['passed'] else '**FAIL**'} ({c['requests']} requests, "
         f"{c['exact_match_generate']} token-for-token equal, {c['preemptions']} preemptions)",
         f"- bf16 first-32-token agreement with fp32: {100 * c['bf16_first_32_agreement']:.0f} %",
+        f"- host syncs in a sampled step's sampler: {c.get('sampling_host_syncs', '-')} "
+        "(1 is the sampled ids' transfer)",
     ]
 
 

@@ -29,6 +29,7 @@ from functools import lru_cache
 
 import torch
 
+from engine.device_copy import device_tensor
 from protocol.sampling import SamplingParams
 
 
@@ -70,7 +71,7 @@ def sample(
     if any(p.seed is None for p in picked):
         raise ValueError("sampled rows need a seed: pass their params through with_seed()")
     some = len(rows) < len(params)
-    index = torch.tensor(rows, device=device) if some else None
+    index = device_tensor(rows, device) if some else None
     x = (logits.index_select(0, index) if some else logits).float()
     x = x / _column([p.temperature for p in picked], device)
     vocab = x.shape[1]
@@ -109,8 +110,8 @@ def token_logprobs(
     if not rows:
         return result
     device = logits.device
-    x = logits.index_select(0, torch.tensor(rows, device=device)).float().log_softmax(dim=-1)
-    picked = torch.tensor([tokens[i] for i in rows], device=device).unsqueeze(1)
+    x = logits.index_select(0, device_tensor(rows, device)).float().log_softmax(dim=-1)
+    picked = device_tensor([tokens[i] for i in rows], device).unsqueeze(1)
     chosen = x.gather(1, picked).squeeze(1).tolist()
     k = max(counts[i] or 0 for i in rows)
     values, ids = x.topk(k, dim=-1) if k else (x[:, :0], x[:, :0].long())
@@ -131,7 +132,7 @@ def adjust_logits(
     if not rows:
         return logits
     device = logits.device
-    index = torch.tensor(rows, device=device)
+    index = device_tensor(rows, device)
     x = logits.index_select(0, index).float()
     vocab = x.shape[1]
     picked = [params[i] for i in rows]
@@ -148,8 +149,8 @@ def adjust_logits(
     bias = [(j, t, b) for j, p in enumerate(picked) for t, b in p.logit_bias if t < vocab]
     if bias:
         r, t, b = zip(*bias, strict=True)
-        where = (torch.tensor(r, device=device), torch.tensor(t, device=device))
-        x.index_put_(where, torch.tensor(b, dtype=x.dtype, device=device), accumulate=True)
+        where = (device_tensor(r, device), device_tensor(t, device))
+        x.index_put_(where, device_tensor(b, device, x.dtype), accumulate=True)
     held = [
         (j, t)
         for j, (p, h) in enumerate(zip(picked, seen, strict=True))
@@ -159,7 +160,7 @@ def adjust_logits(
     ]
     if held:
         r, t = zip(*held, strict=True)
-        x[torch.tensor(r, device=device), torch.tensor(t, device=device)] = float("-inf")
+        x[device_tensor(r, device), device_tensor(t, device)] = float("-inf")
     return logits.float().index_copy(0, index, x)
 
 
@@ -170,13 +171,13 @@ def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.devi
     if width:
         # Padding points at an extra column, dropped afterwards.
         padded = [[*tokens, *[vocab] * (width - len(tokens))] for tokens in token_lists]
-        ids = torch.tensor(padded, device=device)
+        ids = device_tensor(padded, device)
         counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return device_tensor(values, device, torch.float32).unsqueeze(1)
 
 
 def _cut(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -191,7 +192,7 @@ def _cut(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         ordered = x.topk(largest, dim=-1).values
     else:
         ordered = x.sort(dim=-1, descending=True).values
-    kth = ordered.gather(1, torch.tensor(k, device=x.device).unsqueeze(1))
+    kth = ordered.gather(1, device_tensor(k, x.device).unsqueeze(1))
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
     probs = ordered.softmax(dim=-1)
     # top_p 1 is no cut: float mass can reach 1 before the last tokens and must not drop them.
@@ -237,8 +238,8 @@ def random_bits(
     seeds: Sequence[int], positions: Sequence[int], vocab: int, device: torch.device
 ) -> torch.Tensor:
     """[N, vocab] int64 holding 32 random bits per (seed, position, token)."""
-    seed, position = torch.tensor(  # one host-to-device copy
-        [[_signed(s) for s in seeds], list(positions)], dtype=torch.int64, device=device
+    seed, position = device_tensor(  # one host-to-device copy
+        [[_signed(s) for s in seeds], list(positions)], device, torch.int64
     )
     key = mix64(seed ^ mix64(position * _signed(_GOLDEN) + 1))
     return _shift_right(mix64(key.unsqueeze(1) + _token_offsets(vocab, device)), 32)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from engine.device_copy import device_tensor
+
 if TYPE_CHECKING:  # imported on first use: the engine runs without llguidance (a GPU box)
     import llguidance
 
@@ -79,6 +81,6 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) 
     words = masks.to(device, non_blocking=True)
     shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
-    index = torch.tensor(list(rows), device=device)
+    index = device_tensor(list(rows), device)
     x = logits.index_select(0, index).float().masked_fill_(~allowed, float("-inf"))
     return logits.float().index_copy(0, index, x)

@@ -8,6 +8,7 @@ from itertools import pairwise
 import pytest
 import torch
 
+from bench.gpu_check import count_sampling_syncs
 from engine.sampling import (
     TokenHistory,
     adjust_logits,
@@ -222,6 +223,13 @@ def test_cpu_and_cuda_draw_the_same_tokens():
     on_cpu = sample(logits, params, positions)
     on_cuda = sample(logits.to(cuda), params, positions)
     assert sum(a != b for a, b in zip(on_cpu, on_cuda, strict=True)) <= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_sampled_step_waits_on_the_device_once():
+    """Everything the sampler sends to the device goes asynchronously (engine/device_copy.py):
+    torch's sync debug mode sees one sync, the sampled ids coming back."""
+    assert count_sampling_syncs(torch.device("cuda")) == 1
 
 
 # ----- logit adjustments: penalties, bias, min_tokens -------------------------------------------

@@ -79,8 +79,9 @@ def sample(
     by_top_k = [j for j, p in enumerate(picked) if 0 < p.top_k < vocab]
     by_top_p = [j for j, p in enumerate(picked) if p.top_p < 1 and not 0 < p.top_k < vocab]
     for rows_cut in (by_top_k, by_top_p):
-        if rows_cut:
-            x[rows_cut] = _cut(x[rows_cut], [picked[j] for j in rows_cut])
+        if rows_cut:  # (indexing by a Python list would copy it to the device synchronously)
+            cut = device_tensor(rows_cut, device)
+            x[cut] = _cut(x[cut], [picked[j] for j in rows_cut])
     cdf = x.softmax(dim=-1).cumsum_(dim=-1)
     total = cdf[:, -1:]
     u = uniforms([p.seed for p in picked], [positions[i] for i in rows], device)

@@ -201,10 +201,9 @@ def resolve_decode_attention(
     it; "gather" never uses it."""
     if choice == "gather":
         return False, None
-    why = unavailable_because(device, shape)
-    if why is None and device.type != "cuda" and choice == "auto":
+    if choice == "auto" and device.type != "cuda":  # (without importing Triton: a worker's start)
         return False, "auto takes the kernel on CUDA only"
-    why = why or self_check(device, shape)
+    why = unavailable_because(device, shape) or self_check(device, shape)
     if choice == "triton" and why is not None:
         raise ValueError(f"--decode-attention triton: {why}")
     return why is None, why

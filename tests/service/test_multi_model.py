@@ -16,7 +16,7 @@ from engine.model_loader import load_model
 from protocol import Keys, SamplingParams
 from tests.model_dirs import write_random_llama
 from tests.service.helpers import MODEL, assert_same_greedy_text, stream_completion
-from tests.services import RedisServer, start_gateway, start_worker, wait_ready
+from tests.services import RedisServer, start_gateway, start_worker, wait_for, wait_ready
 
 SECOND = "tiny-b"  # the directory name is its served name
 MAX_TOKENS = 12
@@ -46,8 +46,12 @@ async def test_two_models_each_answer_the_requests_naming_them(tmp_path):
     try:
         wait_ready(server.client(), *workers)
         gateway.wait_ready()
-        listed = requests.get(f"{gateway.base}/v1/models", timeout=5).json()["data"]
-        assert sorted(m["id"] for m in listed) == sorted(specs)
+        # The gateway reads new model cards every few seconds (scan_s): both are listed soon.
+        wait_for(
+            lambda: sorted(m["id"] for m in _listed(gateway.base)) == sorted(specs),
+            15,
+            "both models listed",
+        )
 
         # Interleaved: each model's requests in flight at once with the other's.
         jobs = [(name, prompt) for prompt in prompts for name in specs]
@@ -100,3 +104,7 @@ async def test_two_models_each_answer_the_requests_naming_them(tmp_path):
         for worker in workers:
             worker.proc.stop()
         server.close()
+
+
+def _listed(base: str) -> list[dict]:
+    return requests.get(f"{base}/v1/models", timeout=5).json()["data"]

@@ -223,6 +223,18 @@ class DecodeGraphs:
         return entry.logits
 
 
+def graph_reserved_bytes(
+    spec: KVCacheSpec, max_batch: int, max_model_len: int, vocab_size: int, decode_kernel: bool
+) -> int:
+    """What DecodeGraphs keeps allocated beside the KV pool, for the KV budget to leave free:
+    the shared logits buffer and, on the gather path, the read workspace."""
+    logits = max_batch * vocab_size * spec.dtype_size
+    if decode_kernel:
+        return logits
+    width = width_bucket(-(-max_model_len // spec.block_size))
+    return logits + decode_read_bytes(spec, max_batch, width, MAX_READ_BYTES)
+
+
 def decode_read_bytes(spec: KVCacheSpec, max_batch: int, max_width: int, cap: int) -> int:
     """Bytes of the largest padded decode read (K and V of one layer), at most `cap`: the
     workspace graphs reserve, so also part of what the KV budget must leave free."""

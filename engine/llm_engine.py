@@ -16,7 +16,7 @@ import torch
 
 from engine.capacity import KVCapacity, budget_bytes, plan_capacity
 from engine.config import EngineConfig
-from engine.decode_graphs import MAX_READ_BYTES, CudaGraphCapture, decode_read_bytes, width_bucket
+from engine.decode_graphs import CudaGraphCapture, graph_reserved_bytes
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.memory_profile import step_peak_bytes
 from engine.model_loader import LoadedModel, load_model
@@ -135,9 +135,7 @@ class Engine:
         decode_kernel, why_not = resolve_decode_attention(
             config.decode_attention, self.device, shape
         )
-        # What decode attention runs, and why not the kernel (bench/gpu_check.py reports it).
-        self.decode_attention = "triton" if decode_kernel else "gather"
-        self.decode_kernel_unused_because = why_not
+        self.decode_kernel_unused_because = why_not  # (bench/gpu_check.py reports it)
         if why_not is not None and self.device.type == "cuda":
             logger.warning("decode attention: gather (%s)", why_not)
         if self.device.type == "cuda" and config.kv_cache_memory is None:
@@ -148,11 +146,10 @@ class Engine:
                 model, spec, config.max_num_batched_tokens, config.max_num_seqs, decode_kernel
             )
             if use_graphs:
-                step_peak += config.max_num_seqs * self.vocab_size * model.dtype.itemsize
-            if use_graphs and not decode_kernel:
                 longest = config.max_model_len or self.loaded.max_model_len
-                width = width_bucket(-(-longest // config.block_size))
-                step_peak += decode_read_bytes(spec, config.max_num_seqs, width, MAX_READ_BYTES)
+                step_peak += graph_reserved_bytes(
+                    spec, config.max_num_seqs, longest, self.vocab_size, decode_kernel
+                )
         budget = budget_bytes(config, self.device, step_peak)
         self.capacity: KVCapacity = plan_capacity(config, spec, self.loaded.max_model_len, budget)
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.
@@ -180,6 +177,11 @@ class Engine:
         self.last_idle_check_s = 0.0  # the pool check the last step ran if it left us idle
         if progress is not None:
             progress(self.capacity.table())
+
+    @property
+    def decode_attention(self) -> str:
+        """What decode tokens attend through: "triton" (in place) or "gather"."""
+        return "triton" if self.kv_cache.decode_kernel else "gather"
 
     @property
     def max_model_len(self) -> int:

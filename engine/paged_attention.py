@@ -310,23 +310,8 @@ def paged_attention_forward(
     out = query.new_empty(num_tokens, num_heads, head_dim)
 
     queries = query[0].transpose(0, 1)  # [T, heads, d]
-    if cache.decode_kernel:
-        _decode_in_place(meta, cache, layer, queries, out, scaling, window)
-    for g, group in enumerate([] if cache.decode_kernel else meta.decodes):
-        q = queries[group.rows]  # [n, heads, d]
-        num_dec = q.shape[0]
-        # Head h uses kv head h // groups, so groups fold into the query-length axis: no repeat.
-        q = q.reshape(num_dec, num_kv_heads, groups, head_dim).to(meta.mask_dtype)
-        k, v = cache.read_blocks(layer, group.blocks)  # [n * blocks, block_size, kv_heads, d]
-        shape = (num_dec, -1, num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(
-            q,
-            k.view(shape).transpose(1, 2),  # [n, kv_heads, keys, d], strided: no copy
-            v.view(shape).transpose(1, 2),
-            attn_mask=meta.decode_mask(g, window),
-            scale=scaling,
-        )
-        out[group.rows] = o.reshape(num_dec, num_heads, head_dim).to(out.dtype)
+    decode = _decode_in_place if cache.decode_kernel else _decode_gathered
+    decode(meta, cache, layer, queries, out, scaling, window)
 
     for i, c in enumerate(meta.prefills):
         q = query[:, :, c.q_start : c.q_end]  # [1, heads, n, d]
@@ -349,6 +334,36 @@ def paged_attention_forward(
         )
         out[c.q_start : c.q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out.unsqueeze(0), None
+
+
+def _decode_gathered(
+    meta: AttentionMetadata,
+    cache: PagedKVCache,
+    layer: int,
+    queries: torch.Tensor,  # [T, heads, d]
+    out: torch.Tensor,  # [T, heads, d]
+    scaling: float | None,
+    window: int | None,
+) -> None:
+    """Every decode group: its blocks copied into the workspace, then one SDPA over them."""
+    num_heads, head_dim = queries.shape[1:]
+    num_kv_heads = cache.spec.num_kv_heads
+    groups = num_heads // num_kv_heads
+    for g, group in enumerate(meta.decodes):
+        q = queries[group.rows]  # [n, heads, d]
+        num_dec = q.shape[0]
+        # Head h uses kv head h // groups, so groups fold into the query-length axis: no repeat.
+        q = q.reshape(num_dec, num_kv_heads, groups, head_dim).to(meta.mask_dtype)
+        k, v = cache.read_blocks(layer, group.blocks)  # [n * blocks, block_size, kv_heads, d]
+        shape = (num_dec, -1, num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q,
+            k.view(shape).transpose(1, 2),  # [n, kv_heads, keys, d], strided: no copy
+            v.view(shape).transpose(1, 2),
+            attn_mask=meta.decode_mask(g, window),
+            scale=scaling,
+        )
+        out[group.rows] = o.reshape(num_dec, num_heads, head_dim).to(out.dtype)
 
 
 def _decode_in_place(

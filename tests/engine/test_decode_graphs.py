@@ -10,7 +10,12 @@ import random
 import pytest
 import torch
 
-from engine.decode_graphs import batch_buckets, decode_read_bytes, width_bucket
+from engine.decode_graphs import (
+    batch_buckets,
+    decode_read_bytes,
+    graph_reserved_bytes,
+    width_bucket,
+)
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import Engine
 from engine.model_loader import load_model
@@ -50,6 +55,10 @@ def test_the_reserved_workspace_covers_every_step_graphs_take():
     assert spec.read_bytes_per_block == 64 * 1024
     assert decode_read_bytes(spec, 256, 512, 1 << 30) == 1 << 30  # capped
     assert decode_read_bytes(spec, 4, 8, 1 << 30) == 4 * 8 * 64 * 1024
+    # The KV budget leaves free the shared logits buffer, plus the workspace on the gather path.
+    logits = 4 * 128256 * 2
+    assert graph_reserved_bytes(spec, 4, 128, 128256, decode_kernel=True) == logits
+    assert graph_reserved_bytes(spec, 4, 128, 128256, decode_kernel=False) == logits + 4 * 8 * 65536
 
 
 def _requests(seed: int = 1) -> list[tuple[list[int], int]]:

@@ -80,14 +80,20 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Most of the suite's wall time is spent waiting (servers starting, Redis, workers' steps), so
+# it runs on two pytest-xdist processes even on two cores. --dist loadfile keeps each file on one
+# process, so a file's module-scoped servers start once. TEST_JOBS=0 runs it in one process.
+TEST_JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

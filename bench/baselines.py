@@ -237,7 +237,10 @@ def run_hf_cb(loaded: LoadedModel, requests: Sequence[TraceRequest], **settings:
     model = loaded.model
     wanted = {r.request_id: r.output_len for r in requests}
     results = {}
-    with torch.inference_mode():
+    # no_grad, not inference_mode: transformers 5.17's generation thread (outside inference
+    # mode, which is per thread) resets the cache tensors warmup made here, and in-place writes
+    # to inference tensors are refused there, failing every request.
+    with torch.no_grad():
         manager = model.init_continuous_batching(
             generation_config=gen_config, continuous_batching_config=cb_config
         )
@@ -265,6 +268,14 @@ def run_hf_cb(loaded: LoadedModel, requests: Sequence[TraceRequest], **settings:
             manager.stop(block=True, timeout=30)  # also restores the model's attention backend
             manager.destroy()
 
+    failed = {rid: res.error for rid, res in results.items() if res.error}
+    failed.update((r.request_id, "no result") for r in requests if r.request_id not in results)
+    if failed:  # a run with failed requests measures nothing: say why, not "0 tokens/s"
+        rid, error = next(iter(failed.items()))
+        raise RuntimeError(
+            f"{len(failed)} of {len(requests)} requests failed in transformers' continuous "
+            f"batching (request {rid}: {error})"
+        )
     outputs = {rid: list(res.generated_tokens[: wanted[rid]]) for rid, res in results.items()}
     mismatched = {
         rid: len(res.generated_tokens)
@@ -286,8 +297,6 @@ def run_hf_cb(loaded: LoadedModel, requests: Sequence[TraceRequest], **settings:
                 for key in ("max_batch_tokens", "max_requests_per_batch", "num_blocks", page_key)
             },
             "length_mismatch": mismatched,  # request id -> tokens generated, when != output_len
-            "errors": {rid: res.error for rid, res in results.items() if res.error},
-            "missing": [r.request_id for r in requests if r.request_id not in results],
         },
     )
 

@@ -23,7 +23,8 @@ LEAK_WATCH = pytest.StashKey[LeakWatch]()
 def leak_watch(request: pytest.FixtureRequest) -> Iterator[LeakWatch]:
     """Fails the run if a gateway, worker, `jitney up`, redis-server, prometheus or nginx the
     run started outlives its test (the teardown hook below checks after each test; this, after
-    the last). Orphans count: pytest adopts them as a child subreaper."""
+    the last). Orphans count: pytest adopts them as a child subreaper. Under pytest-xdist each
+    worker process watches its own descendants."""
     processes.become_subreaper()
     watch = request.config.stash.setdefault(LEAK_WATCH, LeakWatch())
     yield watch

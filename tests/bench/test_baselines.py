@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -101,12 +102,17 @@ def test_hf_cb_generates_exact_lengths_with_eos_ignored(tiny, requests):
 
     assert_plausible(result, requests)
     assert result.extra["length_mismatch"] == {}
-    assert result.extra["errors"] == {} and result.extra["missing"] == []
     assert result.extra["resolved"]["max_batch_tokens"] == 16
     assert tiny.model.config._attn_implementation == attn_before  # CB restores the backend
     # Same greedy tokens as static batching: EOS is ignored the same way (not masked) in both.
     static = run_hf_generate(tiny, requests, batch_size=len(requests))
     assert result.outputs == static.outputs
+
+
+def test_hf_cb_with_failed_requests_raises_their_error_instead_of_reporting_zero(tiny, requests):
+    # One 8-token page cannot hold a 19-id prompt: transformers fails those requests.
+    with pytest.raises(RuntimeError, match=r"requests failed .*request r\d+: No requests can be"):
+        run_hf_cb(tiny, requests, **{**SMALL_CB, "num_blocks": 1})
 
 
 def test_best_hf_cb_returns_the_fastest_and_records_every_try(tiny, requests):
@@ -119,3 +125,12 @@ def test_best_hf_cb_returns_the_fastest_and_records_every_try(tiny, requests):
     assert best.num_output_tokens == sum(r.output_len for r in requests)
     with pytest.raises(ValueError):
         best_hf_cb(tiny, requests, [])
+
+
+def test_best_hf_cb_records_a_failing_setting_and_keeps_the_one_that_runs(tiny, requests):
+    candidates = [{**SMALL_CB, "num_blocks": 1}, SMALL_CB]
+    best = best_hf_cb(tiny, requests, candidates)
+
+    failed, ran = best.extra["tried"]
+    assert re.match(r"RuntimeError: \d of 5 requests failed", failed["error"])
+    assert ran["settings"] == SMALL_CB and best.tokens_per_s == ran["tokens_per_s"]

@@ -253,13 +253,8 @@ def test_model_builds_no_mask_for_the_packed_row() -> None:
     x = torch.zeros(1, 5, paged.config.hidden_size)
     packed_positions = torch.tensor([[0, 1, 2, 7, 3]])
     for make_mask in (create_causal_mask, create_sliding_window_causal_mask):
-        mask = make_mask(
-            config=paged.config,
-            inputs_embeds=x,
-            attention_mask=None,
-            cache=None,
-            position_ids=packed_positions,
-        )
+        # config, inputs_embeds, attention_mask, cache (named past_key_values up to 5.17)
+        mask = make_mask(paged.config, x, None, None, position_ids=packed_positions)
         assert mask is None
 
 

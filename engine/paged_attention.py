@@ -397,11 +397,11 @@ def register() -> None:
     """Make ``attn_implementation="jitney_paged"`` known to transformers (idempotent).
 
     NOTE: deliberately no ``AttentionMaskInterface`` entry. For an implementation absent from the
-    mask registry, transformers (>= 4.53, checked in 5.24) returns ``attention_mask=None`` straight
-    away; registering even a ``lambda: None`` makes it first scan position_ids for packed sequences
-    and compose mask functions on every forward (measured 274 us vs 14 us per mask, i.e. ~7% of a
-    32-sequence decode step on the tiny model). ``test_model_builds_no_mask_for_the_packed_row``
-    guards it.
+    mask registry, transformers (>= 4.53, checked in 5.17 and 5.24) returns
+    ``attention_mask=None`` straight away; registering even a ``lambda: None`` makes it first scan
+    position_ids for packed sequences and compose mask functions on every forward (measured 274 us
+    vs 14 us per mask, i.e. ~7% of a 32-sequence decode step on the tiny model).
+    ``test_model_builds_no_mask_for_the_packed_row`` guards it.
     """
     transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 

@@ -12,6 +12,8 @@ Three sections, each recorded even when another fails (results.json + results.md
 3. mixed: 256 requests with mixed-64's output lengths, all at t=0, on random:llama-3.2-1b:
    Jitney continuous against transformers `generate` (static batches) and transformers'
    continuous batching, useful tokens/s and the ratios.
+Both files are rewritten after every measurement. Section 2 runs what the targets read first and
+starts nothing new past its share of the budget (Budget), so section 3 still runs.
 `--device cpu` runs the same code at small shapes (a test in `make test` does), so the script is
 known to work before a GPU sees it. It needs only torch, transformers, tokenizers and numpy.
 """
@@ -29,6 +31,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +79,8 @@ class Profile:
     copy_bytes: int  # the bandwidth probe's buffer
     graph_batch: int  # the small model's decode batch for the graphs-vs-eager comparison
     gather_batch: int  # the decode batch also measured on the gather path (kernel vs gather)
+    target_batches: tuple[int, ...]  # the decode batches the targets read: measured first
+    budget_s: float | None  # the run's wall-clock budget (Budget); None: no limit
     overrides: dict[str, int] = field(default_factory=dict)
     decode_attention: str = "auto"  # EngineConfig.decode_attention of every Jitney run
 
@@ -93,6 +98,8 @@ GPU_PROFILE = Profile(
     copy_bytes=4 << 30,
     graph_batch=16,
     gather_batch=64,
+    target_batches=(64, 1),
+    budget_s=450,  # the issue's 8 minutes, less a margin for the mixed section's overrun
 )
 CPU_PROFILE = Profile(
     dtype=torch.float32,
@@ -107,8 +114,29 @@ CPU_PROFILE = Profile(
     copy_bytes=64 << 20,
     graph_batch=4,
     gather_batch=4,
+    target_batches=(4, 1),
+    budget_s=None,
     overrides=SMALL,
 )
+
+
+# A section's results so far: written to disk at once, so a run cut short keeps them.
+Report = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Budget:
+    """The run's wall-clock budget. Section 2 starts no new measurement once its share has
+    passed (what it skips is listed), so section 3, one run per system, still gets its turn; a
+    lent GPU's time is short, and the first run of the script there cannot know its speed."""
+
+    seconds: float | None  # None: no limit
+    decode_share: float = 0.6  # of the budget, from the run's start, for sections 1 and 2
+    started: float = field(default_factory=time.perf_counter)
+
+    def decode_allows(self) -> bool:
+        elapsed = time.perf_counter() - self.started
+        return self.seconds is None or elapsed < self.decode_share * self.seconds
 
 
 # ----- 1. correctness ---------------------------------------------------------------------------
@@ -298,79 +326,99 @@ def _decode_step_ms(
     }
 
 
-def check_decode(device: torch.device, profile: Profile) -> dict[str, Any]:
+def check_decode(
+    device: torch.device, profile: Profile, budget: Budget, report: Report
+) -> dict[str, Any]:
+    """The section's measurements in the order of `decode_plan`, the targets' first, each
+    started only while the budget's decode share lasts; `report` gets the section after each."""
     bandwidth = measure_bandwidth(device, profile.copy_bytes)
-    rows, failures, weights = _decode_rows(
-        profile.decode_model, profile.decode_batches, device, profile, bandwidth
-    )
-    # The small model, where launch overhead weighs most: what graphs save at batch 16.
-    small, small_failures, _ = _decode_rows(
-        profile.mixed_model, (profile.graph_batch,), device, profile, bandwidth
-    )
-    failures += small_failures
-    return {
+    models = {"decode": build_loaded(profile.decode_model, device, profile)}
+    weights = weight_bytes(models["decode"].model)
+    section: dict[str, Any] = {
         "model": RANDOM_PREFIX + profile.decode_model,
         "dtype": str(profile.dtype).removeprefix("torch."),
         "weight_bytes": weights,
         "bandwidth_gb_s": bandwidth / 1e9,
         "weight_read_bound_ms": 1000 * weights / bandwidth,
-        "cuda_graphs": (
-            "off the GPU: eager only"
-            if device.type != "cuda"
-            else "; ".join(failures) or "captured per (batch, width) on first use"
-        ),
-        "rows": rows,
+        "cuda_graphs": "off the GPU: eager only" if device.type != "cuda" else "not used yet",
+        "rows": [],
         "small_model": RANDOM_PREFIX + profile.mixed_model,
-        "small_model_rows": small,
+        "small_model_rows": [],
+        "skipped": [],
     }
-
-
-def _decode_rows(
-    name: str,
-    batches: tuple[int, ...],
-    device: torch.device,
-    profile: Profile,
-    bandwidth: float,
-) -> tuple[list[dict[str, Any]], list[str], int]:
-    """Per batch: the step eager and (on CUDA) with graphs; graph failures; weight bytes."""
-    loaded = build_loaded(name, device, profile)
-    weights = weight_bytes(loaded.model)
-    bound_ms = 1000 * weights / bandwidth
-    rows, failures = [], []
-    for batch in batches:
-        eager = _decode_step_ms(loaded, batch, profile, enforce_eager=True)
-        _free(device)
-        row = {
-            "batch": batch,
-            "context": profile.decode_context,
-            "decode_attention": eager["decode_attention"],
-            "kernel_unused_because": eager["kernel_unused_because"],
-            "eager_step_ms": eager["step_ms"],
-            "eager_forward_ms": eager["forward_ms"],
-            "cuda_graph_step_ms": None,
-            "gather_step_ms": None,
-            "step_over_bound": eager["step_ms"] / bound_ms,
-        }
-        if device.type == "cuda":
-            graphed = _decode_step_ms(loaded, batch, profile, enforce_eager=False)
-            _free(device)
-            if graphed["graphed"]:
-                row["cuda_graph_step_ms"] = graphed["step_ms"]
-                row["step_over_bound"] = graphed["step_ms"] / bound_ms
-                row["graph_saving"] = 1 - graphed["step_ms"] / eager["step_ms"]
-            elif graphed["graph_failure"]:
-                failures.append(graphed["graph_failure"])
-        if batch == profile.gather_batch and row["decode_attention"] == "triton":
+    failures: list[str] = []
+    for what, batch in decode_plan(profile):
+        if not budget.decode_allows():
+            section["skipped"].append(f"{what} batch {batch}")
+            continue
+        if what == "gather":
+            row = next(r for r in section["rows"] if r["batch"] == batch)
+            if row["decode_attention"] != "triton":
+                continue  # the gather path ran already: nothing to compare
             # What reading K/V in place buys: the same step on the portable gather path.
             gather = _decode_step_ms(
-                loaded, batch, profile, device.type != "cuda", decode_attention="gather"
+                models["decode"], batch, profile, device.type != "cuda", decode_attention="gather"
             )
-            _free(device)
             row["gather_step_ms"] = gather["step_ms"]
-        rows.append(row)
-    del loaded
+        else:
+            if what not in models:  # the small model, where launch overhead weighs most
+                models[what] = build_loaded(profile.mixed_model, device, profile)
+            row, failure = _decode_row(models[what], batch, device, profile, bandwidth)
+            rows = section["rows" if what == "decode" else "small_model_rows"]
+            rows.append(row)
+            rows.sort(key=lambda r: r["batch"])
+            failures += [failure] if failure else []
+        _free(device)
+        if device.type == "cuda":
+            captured = "captured per (batch, width) on first use"
+            section["cuda_graphs"] = "; ".join(failures) or captured
+        report(section)
+    del models
+    return section
+
+
+def decode_plan(profile: Profile) -> list[tuple[str, int]]:
+    """(what, batch) in the order section 2 measures them: the rows the targets read (the 8B at
+    `target_batches`, then the small model at `graph_batch`), then the 8B's other batches; the
+    gather path beside the kernel at `gather_batch` as soon as the kernel's row is in."""
+    first = [b for b in profile.target_batches if b in profile.decode_batches]
+    rest = [b for b in profile.decode_batches if b not in first]
+    plan = [("decode", b) for b in first] + [("small", profile.graph_batch)]
+    plan += [("decode", b) for b in rest]
+    if profile.gather_batch in profile.decode_batches:
+        at = max(plan.index(("decode", profile.gather_batch)), len(first)) + 1
+        plan.insert(at, ("gather", profile.gather_batch))
+    return plan
+
+
+def _decode_row(
+    loaded: LoadedModel, batch: int, device: torch.device, profile: Profile, bandwidth: float
+) -> tuple[dict[str, Any], str | None]:
+    """One batch's step, eager and (on CUDA) with graphs, against the model's weight-read
+    bound; and why graphs were given up, if they were."""
+    bound_ms = 1000 * weight_bytes(loaded.model) / bandwidth
+    eager = _decode_step_ms(loaded, batch, profile, enforce_eager=True)
     _free(device)
-    return rows, failures, weights
+    row = {
+        "batch": batch,
+        "context": profile.decode_context,
+        "decode_attention": eager["decode_attention"],
+        "kernel_unused_because": eager["kernel_unused_because"],
+        "eager_step_ms": eager["step_ms"],
+        "eager_forward_ms": eager["forward_ms"],
+        "cuda_graph_step_ms": None,
+        "gather_step_ms": None,
+        "step_over_bound": eager["step_ms"] / bound_ms,
+    }
+    if device.type != "cuda":
+        return row, None
+    graphed = _decode_step_ms(loaded, batch, profile, enforce_eager=False)
+    if not graphed["graphed"]:
+        return row, graphed["graph_failure"]
+    row["cuda_graph_step_ms"] = graphed["step_ms"]
+    row["step_over_bound"] = graphed["step_ms"] / bound_ms
+    row["graph_saving"] = 1 - graphed["step_ms"] / eager["step_ms"]
+    return row, None
 
 
 # ----- 3. mixed trace ---------------------------------------------------------------------------
@@ -382,43 +430,42 @@ def mixed_trace(num_requests: int, vocab_size: int, max_output: int | None) -> l
     return [replace(r, output_len=min(r.output_len, max_output)) for r in requests]
 
 
-def check_mixed(device: torch.device, profile: Profile) -> dict[str, Any]:
+def check_mixed(device: torch.device, profile: Profile, report: Report) -> dict[str, Any]:
     vocab = int(random_model_config(profile.mixed_model, **profile.overrides).vocab_size)
     requests = mixed_trace(profile.mixed_requests, vocab, profile.mixed_max_output)
-    runs = _mixed_baselines(device, profile, requests)  # each side builds its own model
-    _free(device)
-    runs["jitney-continuous"] = _mixed_jitney(device, profile, requests)
-    _free(device)
-    table: dict[str, dict[str, Any]] = {}
-    for name, run in runs.items():
-        if isinstance(run, str):
-            table[name] = {"error": run}
-        else:
-            table[name] = {"tokens_per_s": run.tokens_per_s, "wall_s": run.wall_s}
-            for key in ("decode_attention", "cuda_graphs"):
-                if key in run.extra:
-                    table[name][key] = run.extra[key]
-    jitney = table["jitney-continuous"].get("tokens_per_s")
-    for name in ("hf-generate", "hf-cb"):
-        base = table[name].get("tokens_per_s")
-        table[name]["jitney_ratio"] = jitney / base if jitney and base else None
-    return {
+    section: dict[str, Any] = {
         "model": RANDOM_PREFIX + profile.mixed_model,
         "requests": len(requests),
         "output_tokens": sum(r.output_len for r in requests),
-        "runs": table,
+        "runs": {},
     }
-
-
-def _mixed_baselines(
-    device: torch.device, profile: Profile, requests: list[TraceRequest]
-) -> dict[str, RunResult | str]:
     ref = build_loaded(profile.mixed_model, device, profile)  # left on transformers' attention
-    return {
-        "hf-generate": _attempt(lambda: run_hf_generate(ref, requests, profile.hf_batch_size)),
-        # transformers' own defaults only: one run (its candidate search would cost minutes).
-        "hf-cb": _attempt(lambda: best_hf_cb(ref, requests, [{}])),
-    }
+    generate = partial(run_hf_generate, ref, requests, profile.hf_batch_size)
+    _record_mixed(section, "hf-generate", _attempt(generate), report)
+    # transformers' own defaults only: one run (its candidate search would cost minutes).
+    _record_mixed(section, "hf-cb", _attempt(partial(best_hf_cb, ref, requests, [{}])), report)
+    del ref, generate  # the engine builds its own model (and patches it)
+    _free(device)
+    _record_mixed(section, "jitney-continuous", _mixed_jitney(device, profile, requests), report)
+    return section
+
+
+def _record_mixed(section: dict[str, Any], name: str, run: RunResult | str, report: Report) -> None:
+    """One system's row, and Jitney's ratio over each baseline once both have run."""
+    runs = section["runs"]
+    if isinstance(run, str):
+        runs[name] = {"error": run}
+    else:
+        runs[name] = {"tokens_per_s": run.tokens_per_s, "wall_s": run.wall_s}
+        for key in ("decode_attention", "cuda_graphs"):
+            if key in run.extra:
+                runs[name][key] = run.extra[key]
+    jitney = runs.get("jitney-continuous", {}).get("tokens_per_s")
+    for baseline in ("hf-generate", "hf-cb"):
+        if baseline in runs:
+            base = runs[baseline].get("tokens_per_s")
+            runs[baseline]["jitney_ratio"] = jitney / base if jitney and base else None
+    report(section)
 
 
 def _mixed_jitney(
@@ -475,12 +522,20 @@ def run_checks(
     sections: tuple[str, ...],
     done: Callable[[dict[str, Any]], None] = lambda results: None,
 ) -> dict:
-    """Run `sections` in order; `done(results so far)` after each one, so a run cut short by a
-    time limit still leaves what it measured."""
+    """Run `sections` in order within the profile's budget; `done(results so far)` after each
+    one and after each measurement within one (a section being measured says `"finished":
+    false`), so a run cut short by a time limit still leaves what it measured."""
+    budget = Budget(profile.budget_s)
+    name, start = "", 0.0
+
+    def report(section: dict[str, Any]) -> None:
+        results[name] = {**section, "seconds": time.perf_counter() - start, "finished": False}
+        done(results)
+
     checks: dict[str, Callable[[], dict[str, Any]]] = {
         "correctness": lambda: check_correctness(device),
-        "decode": lambda: check_decode(device, profile),
-        "mixed": lambda: check_mixed(device, profile),
+        "decode": lambda: check_decode(device, profile, budget, report),
+        "mixed": lambda: check_mixed(device, profile, report),
     }
     results: dict[str, Any] = {"environment": environment(device), "profile": _profile(profile)}
     for name in sections:
@@ -518,6 +573,8 @@ def markdown(results: dict[str, Any]) -> str:
         if name in results:
             section = results[name]
             body = [f"error: `{section['error']}`"] if "error" in section else render(section)
+            if section.get("finished") is False:
+                title += " — cut short: the run stopped here"
             lines += [f"## {title}", "", *body, ""]
     lines.append(f"Sections took {', '.join(_seconds(results))}.")
     return "\n".join(lines) + "\n"
@@ -566,6 +623,9 @@ def _md_decode(d: dict[str, Any]) -> list[str]:
     for r in d["small_model_rows"]:
         saving = r.get("graph_saving")
         lines.append(_md_decode_row(r, "-" if saving is None else f"{100 * saving:.0f} %"))
+    if d.get("skipped"):
+        skipped = ", ".join(d["skipped"])
+        lines += ["", f"Not measured, past the decode section's time budget: {skipped}."]
     return lines
 
 
@@ -632,6 +692,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="the engine's decode attention (auto: the Triton kernel on CUDA where it runs)",
     )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the run's wall-clock budget: section 2 starts nothing new past 60%% of it "
+        "(default: 450 on a GPU, none on a CPU; 0: none)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -643,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
     profile = GPU_PROFILE if device.type == "cuda" else CPU_PROFILE
     profile = replace(profile, decode_attention=args.decode_attention)
+    if args.budget_s is not None:
+        if args.budget_s < 0:
+            p.error(f"--budget-s takes seconds >= 0, got {args.budget_s}")
+        profile = replace(profile, budget_s=args.budget_s or None)
     if args.decode_batches:
         try:
             batches = tuple(int(b) for b in args.decode_batches.split(","))

@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,6 +112,8 @@ def test_bad_arguments_are_refused(plain_copy):
         (["--decode-batches", "4,x"], "positive integers"),
         (["--decode-batches", "0"], "positive integers"),
         (["--decode-batches", ","], "positive integers"),
+        (["--budget-s", "-1"], "seconds >= 0"),
+        (["--budget-s", "soon"], "invalid float"),
     ],
 )
 def test_bad_flags_are_refused(flags, why, tmp_path, capsys):
@@ -139,13 +143,12 @@ def test_it_needs_no_package_the_gpu_machine_lacks(plain_copy, tmp_path):
     assert json.loads((out / "results.json").read_text())["correctness"]["passed"]
 
 
-def test_a_run_cut_short_keeps_the_sections_it_finished(plain_copy, tmp_path):
-    """The lent machine's time runs out mid-run: what was measured must already be on disk."""
-    out = tmp_path / "gpu"
+def run_until_written(copy: Path, out: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """Start the script, kill it as soon as results.json first appears: (what it held, stderr)."""
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("PYTHONPATH", None)
     run = subprocess.Popen(
-        [str(plain_copy / "bench/gpu_check.sh"), str(out), "--device", "cpu"],
+        [str(copy / "bench/gpu_check.sh"), str(out), "--device", "cpu", *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -160,6 +163,63 @@ def test_a_run_cut_short_keeps_the_sections_it_finished(plain_copy, tmp_path):
         run.kill()
         _, stderr = run.communicate()
     assert results.exists(), stderr[-3000:]
-    written = json.loads(results.read_text())
+    return json.loads(results.read_text()), stderr
+
+
+def test_a_run_cut_short_keeps_the_sections_it_finished(plain_copy, tmp_path):
+    """The lent machine's time runs out mid-run: what was measured must already be on disk."""
+    out = tmp_path / "gpu"
+    written, _ = run_until_written(plain_copy, out)
     assert written["correctness"]["passed"] and "mixed" not in written  # cut after section 1
     assert "## 1. Correctness" in (out / "results.md").read_text()
+
+
+def test_the_decode_section_measures_what_the_targets_read_first():
+    """A lent GPU's time may run out mid-section: the 8B rows at batch 64 and 1 and the small
+    model's graphs row come before the other batches (and the gather path next to its row)."""
+    plan = gpu_check.decode_plan(gpu_check.GPU_PROFILE)
+    assert plan[:3] == [("decode", 64), ("decode", 1), ("small", 16)]
+    assert sorted(b for what, b in plan if what == "decode") == [1, 16, 64, 128, 256]
+    assert plan.index(("gather", 64)) == 3
+    later = replace(gpu_check.GPU_PROFILE, decode_batches=(16, 32), gather_batch=32)
+    assert gpu_check.decode_plan(later) == [
+        ("small", 16),
+        ("decode", 16),
+        ("decode", 32),
+        ("gather", 32),  # after its own row, which it reads
+    ]
+
+
+def test_past_its_budget_the_decode_section_leaves_the_time_to_the_mixed_trace(
+    plain_copy, tmp_path
+):
+    out = tmp_path / "gpu"
+    flags = "--device cpu --sections decode,mixed --budget-s 0.001"
+    done = run_check(plain_copy, str(out), *flags.split())
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    decode = results["decode"]
+    assert decode["rows"] == [] and decode["small_model_rows"] == []
+    plan = [
+        "decode batch 4",
+        "decode batch 1",
+        "small batch 4",
+        "gather batch 4",
+        "decode batch 16",
+    ]
+    assert decode["skipped"] == plan
+    assert results["mixed"]["runs"]["jitney-continuous"]["tokens_per_s"] > 0
+    assert (
+        "Not measured, past the decode section's time budget: decode batch 4"
+        in (out / "results.md").read_text()
+    )
+
+
+def test_a_run_cut_short_mid_section_keeps_the_rows_it_measured(plain_copy, tmp_path):
+    out = tmp_path / "gpu"
+    written, _ = run_until_written(plain_copy, out, "--sections", "decode")
+    decode = written["decode"]
+    assert decode["finished"] is False  # written after its first measurement, not at its end
+    batches = [row["batch"] for row in decode["rows"]]
+    assert 4 in batches and 16 not in batches  # the target's row first, batch 16's last
+    assert "cut short" in (out / "results.md").read_text()

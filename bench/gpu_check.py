@@ -72,6 +72,7 @@ class Profile:
     decode_batches: tuple[int, ...]
     decode_context: int
     decode_steps: int
+    decode_prefill_tokens: int  # the token budget of a step while the decode batch prefills
     mixed_model: str
     mixed_requests: int
     mixed_max_output: int | None  # None: mixed-64's own lengths (up to 512)
@@ -91,6 +92,7 @@ GPU_PROFILE = Profile(
     decode_batches=(1, 16, 64, 128, 256),
     decode_context=512,
     decode_steps=32,
+    decode_prefill_tokens=2048,
     mixed_model="llama-3.2-1b",
     mixed_requests=256,
     mixed_max_output=None,
@@ -107,6 +109,7 @@ CPU_PROFILE = Profile(
     decode_batches=(1, 4, 16),
     decode_context=64,
     decode_steps=4,
+    decode_prefill_tokens=256,  # several prefill steps at batch 16, as on a GPU at batch 64
     mixed_model="llama-3.2-1b",
     mixed_requests=8,
     mixed_max_output=12,
@@ -281,15 +284,19 @@ def _decode_step_ms(
 ) -> dict[str, Any]:
     """Mean step and forward ms once all `batch` sequences decode at the profile's context
     (with CUDA graphs on a GPU unless `enforce_eager`; the warm step captures the graph), and
-    the decode attention that ran."""
+    the decode attention that ran. Every timed step decodes all `batch` rows (else it raises):
+    the first requests decode while the last prefill, so each asks for enough tokens to outlast
+    the prefill steps and the timed ones."""
     ctx, steps = profile.decode_context, profile.decode_steps
-    tokens_per_seq = ctx + steps + 2
+    budget = max(profile.decode_prefill_tokens, ctx + batch)
+    prefill_steps = -(-batch * ctx // (budget - batch))  # the decodes take part of each budget
+    max_tokens = prefill_steps + steps + 4
     config = EngineConfig(
         model=loaded.name,
         device=str(loaded.model.device),
-        kv_cache_memory=str((batch * tokens_per_seq + 64 * 16) * loaded.kv_bytes_per_token),
+        kv_cache_memory=str((batch * (ctx + max_tokens) + 64 * 16) * loaded.kv_bytes_per_token),
         max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, ctx),
+        max_num_batched_tokens=budget,
         enable_prefix_caching=False,
         enforce_eager=enforce_eager,
         decode_attention=decode_attention or profile.decode_attention,
@@ -297,7 +304,7 @@ def _decode_step_ms(
     engine = Engine(config, loaded=loaded)
     rng = random.Random(batch)
     vocab = loaded.model.get_input_embeddings().num_embeddings
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), [rng.randrange(256, vocab) for _ in range(ctx)], params)
     started: set[str] = set()
@@ -307,10 +314,13 @@ def _decode_step_ms(
     step_s = forward_s = 0.0
     for _ in range(steps - 1):
         start = time.perf_counter()
-        engine.step()
+        rows = sum(bool(out.new_token_ids) for out in engine.step())
         step_s += time.perf_counter() - start
         forward_s += engine.last_step_timing.forward
+        if rows != batch:
+            raise RuntimeError(f"a timed step of batch {batch} decoded {rows} rows")
     n = steps - 1
+    contexts = [seq.num_tokens for seq in engine.policy.seqs.values()]
     graphs = engine.runner.graphs
     graphed = graphs is not None and graphs.failed is None and graphs.num_steps >= n
     failure = None if graphs is None else graphs.failed
@@ -323,6 +333,7 @@ def _decode_step_ms(
         "graph_failure": failure,
         "decode_attention": attention,
         "kernel_unused_because": why_not,
+        "contexts": [min(contexts), max(contexts)],
     }
 
 
@@ -345,29 +356,17 @@ def check_decode(
         "small_model": RANDOM_PREFIX + profile.mixed_model,
         "small_model_rows": [],
         "skipped": [],
+        "errors": [],  # measurements that failed (the others still ran)
     }
     failures: list[str] = []
     for what, batch in decode_plan(profile):
         if not budget.decode_allows():
             section["skipped"].append(f"{what} batch {batch}")
             continue
-        if what == "gather":
-            row = next(r for r in section["rows"] if r["batch"] == batch)
-            if row["decode_attention"] != "triton":
-                continue  # the gather path ran already: nothing to compare
-            # What reading K/V in place buys: the same step on the portable gather path.
-            gather = _decode_step_ms(
-                models["decode"], batch, profile, device.type != "cuda", decode_attention="gather"
-            )
-            row["gather_step_ms"] = gather["step_ms"]
-        else:
-            if what not in models:  # the small model, where launch overhead weighs most
-                models[what] = build_loaded(profile.mixed_model, device, profile)
-            row, failure = _decode_row(models[what], batch, device, profile, bandwidth)
-            rows = section["rows" if what == "decode" else "small_model_rows"]
-            rows.append(row)
-            rows.sort(key=lambda r: r["batch"])
-            failures += [failure] if failure else []
+        try:
+            failures += _decode_measure(what, batch, section, models, device, profile, bandwidth)
+        except Exception as e:  # an OOM at one batch must not lose the other rows
+            section["errors"].append(f"{what} batch {batch}: {type(e).__name__}: {e}")
         _free(device)
         if device.type == "cuda":
             captured = "captured per (batch, width) on first use"
@@ -375,6 +374,35 @@ def check_decode(
         report(section)
     del models
     return section
+
+
+def _decode_measure(
+    what: str,
+    batch: int,
+    section: dict[str, Any],
+    models: dict[str, LoadedModel],
+    device: torch.device,
+    profile: Profile,
+    bandwidth: float,
+) -> list[str]:
+    """One entry of `decode_plan` into `section`; returns why graphs were given up, if so."""
+    if what == "gather":
+        row = next((r for r in section["rows"] if r["batch"] == batch), None)
+        if row is None or row["decode_attention"] != "triton":
+            return []  # no kernel row to compare with (it failed, or gather ran already)
+        # What reading K/V in place buys: the same step on the portable gather path.
+        gather = _decode_step_ms(
+            models["decode"], batch, profile, device.type != "cuda", decode_attention="gather"
+        )
+        row["gather_step_ms"] = gather["step_ms"]
+        return []
+    if what not in models:  # the small model, where launch overhead weighs most
+        models[what] = build_loaded(profile.mixed_model, device, profile)
+    row, failure = _decode_row(models[what], batch, device, profile, bandwidth)
+    rows = section["rows" if what == "decode" else "small_model_rows"]
+    rows.append(row)
+    rows.sort(key=lambda r: r["batch"])
+    return [failure] if failure else []
 
 
 def decode_plan(profile: Profile) -> list[tuple[str, int]]:
@@ -406,6 +434,7 @@ def _decode_row(
         "kernel_unused_because": eager["kernel_unused_because"],
         "eager_step_ms": eager["step_ms"],
         "eager_forward_ms": eager["forward_ms"],
+        "contexts": eager["contexts"],  # the shortest and longest after the timed steps
         "cuda_graph_step_ms": None,
         "gather_step_ms": None,
         "step_over_bound": eager["step_ms"] / bound_ms,
@@ -543,8 +572,10 @@ def run_checks(
         print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
         try:
             results[name] = checks[name]()
-        except Exception as e:  # one section's failure must not lose the others
-            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        except Exception as e:  # one section's failure must not lose the others, nor its own
+            measured = {k: v for k, v in results.get(name, {}).items() if k != "finished"}
+            error = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+            results[name] = {**measured, **error}
         results[name]["seconds"] = time.perf_counter() - start
         _free(device)
         done(results)
@@ -572,7 +603,14 @@ def markdown(results: dict[str, Any]) -> str:
     ):
         if name in results:
             section = results[name]
-            body = [f"error: `{section['error']}`"] if "error" in section else render(section)
+            measured = set(section) - {"error", "trace", "seconds"}
+            body = render(section) if measured else []  # what it measured before an error
+            if "error" in section:
+                body += (
+                    ["", f"error: `{section['error']}`"]
+                    if body
+                    else [f"error: `{section['error']}`"]
+                )
             if section.get("finished") is False:
                 title += " — cut short: the run stopped here"
             lines += [f"## {title}", "", *body, ""]
@@ -623,6 +661,8 @@ def _md_decode(d: dict[str, Any]) -> list[str]:
     for r in d["small_model_rows"]:
         saving = r.get("graph_saving")
         lines.append(_md_decode_row(r, "-" if saving is None else f"{100 * saving:.0f} %"))
+    for error in d.get("errors", ()):
+        lines += ["", f"error: `{error}`"]
     if d.get("skipped"):
         skipped = ", ".join(d["skipped"])
         lines += ["", f"Not measured, past the decode section's time budget: {skipped}."]
@@ -727,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = run_checks(device, profile, sections, lambda partial: write_results(out, partial))
     print(markdown(results))
-    failed = [s for s in sections if "error" in results[s]]
+    failed = [s for s in sections if "error" in results[s] or results[s].get("errors")]
     if "correctness" in sections and not results["correctness"].get("passed"):
         failed.append("correctness")
     if failed:

@@ -40,10 +40,11 @@ def plain_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_check(
-    copy: Path, *args: str, pythonpath: str | None = None
+    copy: Path, *args: str, pythonpath: str | None = None, unset: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHON": sys.executable}
-    env.pop("PYTHONPATH", None)
+    for name in ("PYTHONPATH", *unset):
+        env.pop(name, None)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
     return subprocess.run(
@@ -67,7 +68,10 @@ def test_the_cpu_run_checks_correctness_and_writes_every_section(plain_copy, tmp
     assert 0 <= correctness["bf16_first_32_agreement"] <= 1
     assert correctness["sampling_host_syncs"] is None  # counted on CUDA only
     decode, runs = results["decode"], results["mixed"]["runs"]
-    assert [row["batch"] for row in decode["rows"]] == [1, 4, 16]
+    # Every timed step decoded all its rows (else the row is an error): at batch 16 the prompts
+    # take several prefill steps (CPU_PROFILE's budget), as on a GPU at batch 64 and above.
+    assert [row["batch"] for row in decode["rows"]] == [1, 4, 16] and decode["errors"] == []
+    assert all(64 < row["contexts"][0] <= row["contexts"][1] for row in decode["rows"])
     assert decode["weight_read_bound_ms"] > 0 and decode["bandwidth_gb_s"] > 0
     assert all(row["eager_step_ms"] >= row["eager_forward_ms"] > 0 for row in decode["rows"])
     assert {row["decode_attention"] for row in decode["rows"]} == {"gather"}  # auto, on a CPU
@@ -223,3 +227,25 @@ def test_a_run_cut_short_mid_section_keeps_the_rows_it_measured(plain_copy, tmp_
     batches = [row["batch"] for row in decode["rows"]]
     assert 4 in batches and 16 not in batches  # the target's row first, batch 16's last
     assert "cut short" in (out / "results.md").read_text()
+
+
+def test_a_measurement_that_fails_is_listed_and_the_run_fails(plain_copy, tmp_path):
+    """`--decode-attention triton` where the kernel cannot run (on a CPU without Triton's
+    interpreter): each measurement says why, the others are still tried, and the exit is 1."""
+    out = tmp_path / "gpu"
+    flags = "--device cpu --sections decode --decode-attention triton --decode-batches 1,4"
+    done = run_check(plain_copy, str(out), *flags.split(), unset=("TRITON_INTERPRET",))
+    assert done.returncode == 1 and "failed: decode" in done.stderr
+    decode = json.loads((out / "results.json").read_text())["decode"]
+    assert decode["rows"] == [] and decode["skipped"] == []
+    failed = [error.split(":")[0] for error in decode["errors"]]
+    assert failed == [
+        "decode batch 4",
+        "decode batch 1",
+        "small batch 4",
+    ]  # no kernel row: no gather
+    assert "Triton runs only as its interpreter" in decode["errors"][0]
+    assert (
+        "error: `decode batch 4: ValueError: --decode-attention triton"
+        in (out / "results.md").read_text()
+    )

@@ -14,8 +14,15 @@ logits into one output buffer all graphs share: an output of its own would stay 
 each graph (256 KB per row of a 128k vocabulary in bf16, times every bucket and width: GBs). A
 graph is captured the first time its pair occurs, after two warm-up runs on a side stream (the
 standard recipe). Mixed steps (any prefill chunk), batches above the largest bucket and, on the
-gather path, steps whose padded read would pass `max_read_bytes` run eagerly as before. (The
-Triton decode kernel reads each row's own context in place: a wider table costs it nothing.)
+gather path, steps whose padded read would pass `max_read_bytes` run eagerly as before.
+
+The Triton decode kernel reads each row's own context in place, so a wider table costs it
+nothing: with it, every graph takes the full width, one graph per batch bucket, and all of them
+are captured at start (`capture_all`, largest first, as vLLM does). Capturing mid-run would stall
+the steps that meet a new bucket (each capture synchronizes the device, collects garbage, empties
+the allocator's cache and runs the step three times) and, in a benchmark, count that against the
+engine. On the gather path the width sets the read, so graphs stay per (batch, width) bucket and
+are captured on first use.
 
 A graph reads and writes memory by address, so everything it touches that was allocated before
 its capture must outlive it. The KV cache's read workspace grows with the largest read, and a
@@ -130,9 +137,29 @@ class DecodeGraphs:
         """Whether a decode step of `batch` rows, the longest at context `max_ctx`, goes here."""
         if self.failed is not None or batch > self.max_batch:
             return False
-        width = width_bucket(-(-max_ctx // self.kv_cache.block_size))
+        width = self._width(max_ctx)
         padded = next(b for b in self.buckets if b >= batch)
         return width <= self.max_width and padded * width <= self._max_read_blocks()
+
+    def _width(self, max_ctx: int) -> int:
+        """The table width of a step whose longest context is `max_ctx`: the full width for the
+        kernel (one graph per batch), else the next power of two (the read is the width's)."""
+        if self.kv_cache.decode_kernel:
+            return self.max_width
+        return width_bucket(-(-max_ctx // self.kv_cache.block_size))
+
+    def capture_all(self) -> int:
+        """Capture every batch bucket's graph now, largest first (kernel only: one width);
+        returns how many were captured. A failed capture turns graphs off, as on first use."""
+        if self.capture is None or not self.kv_cache.decode_kernel:
+            return 0
+        for padded in reversed(self.buckets):
+            if self.failed is not None:
+                break
+            self._pad(0, padded, self.max_width)
+            self._replay(padded, self.max_width)
+        logger.info("captured %d decode graphs (batch 1..%d)", len(self.graphs), self.max_batch)
+        return len(self.graphs)
 
     def workspace_bytes(self) -> int:
         """The largest read a padded step makes (K and V of one layer): the workspace to keep."""
@@ -156,7 +183,7 @@ class DecodeGraphs:
         """Logits [B, vocab] of one decode-only step (B <= max_batch)."""
         batch = len(ctx_lens)
         padded = next(b for b in self.buckets if b >= batch)
-        width = width_bucket(-(-max(ctx_lens) // self.kv_cache.block_size))
+        width = self._width(max(ctx_lens))
         self.input_ids[:batch] = input_ids
         self.positions[:batch] = positions
         self.slots[:batch] = slots
@@ -166,14 +193,18 @@ class DecodeGraphs:
         if cols < width:  # past every context: masked, but must be a valid block id
             self.tables[:batch, cols:width] = self.scratch_block
         if padded > batch:  # rows a larger step left behind must not write real slots
-            self.input_ids[batch:padded] = 0
-            self.positions[batch:padded] = 0
-            self.slots[batch:padded] = self._scratch_slot
-            self.ctx[batch:padded] = 1
-            self.tables[batch:padded, :width] = self.scratch_block
+            self._pad(batch, padded, width)
         logits = self._replay(padded, width)
         self.num_steps += 1
         return logits[:batch]
+
+    def _pad(self, start: int, end: int, width: int) -> None:
+        """Rows [start, end) as padding: token 0 at position 0, context 1, the scratch block."""
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slots[start:end] = self._scratch_slot
+        self.ctx[start:end] = 1
+        self.tables[start:end, :width] = self.scratch_block
 
     def _metadata(self, padded: int, width: int) -> AttentionMetadata:
         cache = self.kv_cache

@@ -29,8 +29,8 @@ class ModelRunner:
         self, max_batch: int, max_model_len: int, capture: GraphCapture | None
     ) -> None:
         """Run decode-only steps through DecodeGraphs, captured by `capture` (None: padded but
-        eager). The KV pool's last block is their scratch block, so it must lie outside the
-        block manager's pool."""
+        eager): with the decode kernel all at once, now; else each on first use. The KV pool's
+        last block is their scratch block, so it must lie outside the block manager's pool."""
         blocks = -(-max_model_len // self.kv_cache.block_size)
         self.graphs = DecodeGraphs(
             lambda ids, meta: model_forward(self.model, ids, None, meta, self.kv_cache),
@@ -39,6 +39,7 @@ class ModelRunner:
             width_bucket(blocks),
             capture,
         )
+        self.graphs.capture_all()
 
     # The engine calls prepare then forward, timing each as a phase (engine/step_timing.py).
     def prepare(

@@ -323,17 +323,30 @@ def paged_attention_forward(
             k = k.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
         mask = meta.prefill_mask(i, window)
+        q = q.to(meta.mask_dtype)
+        if groups > 1 and not sdpa_takes_gqa(q, mask):
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         o = F.scaled_dot_product_attention(
-            q.to(meta.mask_dtype),
+            q,
             k,
             v,
             attn_mask=mask,
             is_causal=mask is None,
             scale=scaling,
-            enable_gqa=groups > 1,
+            enable_gqa=k.shape[1] != num_heads,
         )
         out[c.q_start : c.q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out.unsqueeze(0), None
+
+
+def sdpa_takes_gqa(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether SDPA should get K/V once per KV head (`enable_gqa`) rather than repeated per
+    query head. On CUDA only the flash kernel takes `enable_gqa`, and flash takes neither a mask
+    nor float32: such a call would fall back to the math kernel, which holds float32 scores for
+    every head (n x keys each: GBs for a long chunk after a cached prefix), where repeated K/V
+    run in the memory-efficient kernel. On the CPU `enable_gqa` runs fused, 10-25 % faster than
+    repeating (measured for masked chunks of SmolLM2's and a 32-head layout)."""
+    return not query.is_cuda or (mask is None and query.dtype != torch.float32)
 
 
 def _decode_gathered(

@@ -140,8 +140,13 @@ def test_chunked_prefill_then_decode_matches_one_shot(family: str) -> None:
         done += n
 
 
-def test_mixed_step_with_interleaved_blocks_matches_each_alone() -> None:
-    """Two decodes, a new prefill and a continuing chunk in one step over shuffled blocks."""
+@pytest.mark.parametrize("gqa", ["enable_gqa", "repeated"])
+def test_mixed_step_with_interleaved_blocks_matches_each_alone(gqa: str, monkeypatch) -> None:
+    """Two decodes, a new prefill and a continuing chunk in one step over shuffled blocks; the
+    chunks' K/V given to SDPA once per KV head (the CPU's way) or repeated per query head (what
+    CUDA takes for masked or float32 chunks: sdpa_takes_gqa)."""
+    if gqa == "repeated":
+        monkeypatch.setattr(paged_attention, "sdpa_takes_gqa", lambda query, mask: False)
     ref, paged = make_models("llama")
     cache, pool = make_cache(paged.config, block_size=4), BlockPool(64, seed=3)
     a, b, c, d = (rand_tokens(n, seed=10 + n) for n in (10, 7, 10, 14))
@@ -215,8 +220,14 @@ def test_prefix_sharing_reuses_kv_written_by_another_sequence() -> None:
         ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     ],
 )
-def test_sliding_window_matches_reference(family: str, overrides: dict[str, object]) -> None:
-    """Sliding-window layers see only the last `window` positions, in chunks and decodes."""
+@pytest.mark.parametrize("gqa", ["enable_gqa", "repeated"])
+def test_sliding_window_matches_reference(
+    family: str, overrides: dict[str, object], gqa: str, monkeypatch
+) -> None:
+    """Sliding-window layers see only the last `window` positions, in chunks and decodes (the
+    chunks' K/V once per KV head, or repeated per query head as CUDA takes masked chunks)."""
+    if gqa == "repeated":
+        monkeypatch.setattr(paged_attention, "sdpa_takes_gqa", lambda query, mask: False)
     ref, paged = make_models(family, **overrides)
     cache, pool = make_cache(paged.config), BlockPool(64, seed=2)
     long_seq, short_seq = rand_tokens(20, seed=3), rand_tokens(9, seed=4)
@@ -305,3 +316,16 @@ def test_parse_bytes_units() -> None:
     for bad in ("lots", "-1GiB", "2 GiBs", True):
         with pytest.raises(ValueError):
             parse_bytes(bad)  # type: ignore[arg-type]
+
+
+def test_sdpa_gets_kv_per_kv_head_only_where_a_fused_kernel_takes_it() -> None:
+    """On CUDA, flash alone takes enable_gqa, and only half precision without a mask; anything
+    else would run SDPA's math kernel, so K/V are repeated there. The CPU fuses every case."""
+    mask = torch.zeros(2, 3)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert paged_attention.sdpa_takes_gqa(torch.zeros(1, dtype=dtype), mask)
+    if torch.cuda.is_available():
+        half = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
+        assert paged_attention.sdpa_takes_gqa(half, None)
+        assert not paged_attention.sdpa_takes_gqa(half, mask.cuda())
+        assert not paged_attention.sdpa_takes_gqa(half.float(), None)

@@ -200,7 +200,10 @@ def test_each_family_replays_its_decode_steps_as_captured_graphs(
     results = graphed.generate(prompts, greedy(12))
     graphs = graphed.runner.graphs
     assert graphs is not None and graphs.failed is None and capture.graphs
-    assert sum(g.replays for g in capture.graphs) == graphs.num_steps >= 10
+    assert graphs.num_steps >= 10
+    # With the kernel, every bucket was captured (and replayed once) at start.
+    at_start = len(graphs.buckets) if decode_attention == "triton" else 0
+    assert sum(g.replays for g in capture.graphs) == at_start + graphs.num_steps
     ref = load_small(name)
     for prompt, got, want in zip(prompts, results, eager, strict=True):
         assert_greedy_parity(ref, prompt, got.token_ids, want.token_ids)

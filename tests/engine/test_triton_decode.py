@@ -125,10 +125,18 @@ def test_the_engine_gives_the_gather_paths_tokens_eagerly_and_as_graphs(ref, mon
     graphed = _engine("triton")
     capture = EmulatedGraphCapture()
     graphed.runner.enable_decode_graphs(8, graphed.max_model_len, capture)
+    graphs = graphed.runner.graphs
+    assert graphs is not None
+    # The kernel reads each row's own context, so one width serves every step: each batch
+    # bucket's graph is captured at start, and no step captures one mid-run.
+    at_start = {(batch, graphs.max_width) for batch in graphs.buckets}
+    assert set(graphs.graphs) == at_start and len(capture.graphs) == len(at_start) == 4
     for prompt, got, expected in zip(requests, _run(graphed, requests), want, strict=True):
         assert_greedy_parity(ref, prompt[0], got, expected)
-    graphs = graphed.runner.graphs
-    assert graphs is not None and graphs.failed is None and graphs.num_steps > 10
+    assert graphs.failed is None and graphs.num_steps > 10
+    assert set(graphs.graphs) == at_start and len(capture.graphs) == len(at_start)
+    # Each capture replays once (a capture computes nothing), then one replay per step.
+    assert sum(g.replays for g in capture.graphs) == len(at_start) + graphs.num_steps
     assert not graphed.kv_cache._workspace_fixed  # graphs read no workspace: none reserved
     graphed.block_manager.check_integrity()
 

@@ -509,7 +509,8 @@ def _mixed_jitney(
         max_num_batched_tokens=8192,
         decode_attention=profile.decode_attention,
     )
-    return _attempt(lambda: run_jitney(config, loaded, requests))
+    # Token ids out, as the baselines give them (and as a worker runs: gateways detokenize).
+    return _attempt(lambda: run_jitney(config, loaded, requests, detokenize=False))
 
 
 def _attempt(run: Callable[[], RunResult]) -> RunResult | str:

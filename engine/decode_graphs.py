@@ -12,9 +12,9 @@ A graph needs the same tensors and shapes on every replay, so a decode-only step
 Inputs are copied into static buffers, then the graph of that (batch, width) replays, writing its
 logits into one output buffer all graphs share: an output of its own would stay allocated with
 each graph (256 KB per row of a 128k vocabulary in bf16, times every bucket and width: GBs). A
-graph is captured the first time its pair occurs, after two warm-up runs on a side stream (the
-standard recipe). Mixed steps (any prefill chunk), batches above the largest bucket and, on the
-gather path, steps whose padded read would pass `max_read_bytes` run eagerly as before.
+graph is captured after two warm-up runs on a side stream (the standard recipe). Mixed steps
+(any prefill chunk), batches above the largest bucket and, on the gather path, steps whose padded
+read would pass `max_read_bytes` run eagerly as before.
 
 The Triton decode kernel reads each row's own context in place, so a wider table costs it
 nothing: with it, every graph takes the full width, one graph per batch bucket, and all of them
@@ -190,7 +190,8 @@ class DecodeGraphs:
         self.ctx[:batch] = positions + 1
         cols = min(width, tables.shape[1])
         self.tables[:batch, :cols] = tables[:, :cols]
-        if cols < width:  # past every context: masked, but must be a valid block id
+        if cols < width and not self.kv_cache.decode_kernel:
+            # Past every context: masked, but the gather path reads them (the kernel does not).
             self.tables[:batch, cols:width] = self.scratch_block
         if padded > batch:  # rows a larger step left behind must not write real slots
             self._pad(batch, padded, width)

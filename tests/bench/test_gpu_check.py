@@ -194,25 +194,21 @@ def test_the_decode_section_measures_what_the_targets_read_first():
     ]
 
 
-def test_past_its_budget_the_decode_section_leaves_the_time_to_the_mixed_trace(
-    plain_copy, tmp_path
-):
+def test_past_its_budget_the_decode_section_starts_nothing_new_and_says_so(plain_copy, tmp_path):
+    """So that section 3, which comes after it, still gets its turn on a lent GPU."""
     out = tmp_path / "gpu"
-    flags = "--device cpu --sections decode,mixed --budget-s 0.001"
+    flags = "--device cpu --sections decode --budget-s 0.001"
     done = run_check(plain_copy, str(out), *flags.split())
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    decode = results["decode"]
+    decode = json.loads((out / "results.json").read_text())["decode"]
     assert decode["rows"] == [] and decode["small_model_rows"] == []
-    plan = [
+    assert decode["skipped"] == [  # in decode_plan's order
         "decode batch 4",
         "decode batch 1",
         "small batch 4",
         "gather batch 4",
         "decode batch 16",
     ]
-    assert decode["skipped"] == plan
-    assert results["mixed"]["runs"]["jitney-continuous"]["tokens_per_s"] > 0
     assert (
         "Not measured, past the decode section's time budget: decode batch 4"
         in (out / "results.md").read_text()

@@ -19,10 +19,10 @@ read would pass `max_read_bytes` run eagerly as before.
 The Triton decode kernel reads each row's own context in place, so a wider table costs it
 nothing: with it, every graph takes the full width, one graph per batch bucket, and all of them
 are captured at start (`capture_all`, largest first, as vLLM does). Capturing mid-run would stall
-the steps that meet a new bucket (each capture synchronizes the device, collects garbage, empties
-the allocator's cache and runs the step three times) and, in a benchmark, count that against the
-engine. On the gather path the width sets the read, so graphs stay per (batch, width) bucket and
-are captured on first use.
+the steps that meet a new bucket (each capture synchronizes the device, empties the allocator's
+caches and runs the step three times) and, in a benchmark, count that against the engine. On the
+gather path the width sets the read, so graphs stay per (batch, width) bucket and are captured
+on first use.
 
 A graph reads and writes memory by address, so everything it touches that was allocated before
 its capture must outlive it. The KV cache's read workspace grows with the largest read, and a

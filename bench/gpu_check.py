@@ -369,7 +369,7 @@ def check_decode(
             section["errors"].append(f"{what} batch {batch}: {type(e).__name__}: {e}")
         _free(device)
         if device.type == "cuda":
-            captured = "captured per (batch, width) on first use"
+            captured = "on (with the kernel: one per batch, captured at start)"
             section["cuda_graphs"] = "; ".join(failures) or captured
         report(section)
     del models

@@ -369,7 +369,12 @@ def check_decode(
             section["errors"].append(f"{what} batch {batch}: {type(e).__name__}: {e}")
         _free(device)
         if device.type == "cuda":
-            captured = "on (with the kernel: one per batch, captured at start)"
+            kernel = any(r["decode_attention"] == "triton" for r in section["rows"])
+            captured = (
+                "one per batch, captured at start"
+                if kernel
+                else "one per (batch, width), captured on first use"
+            )
             section["cuda_graphs"] = "; ".join(failures) or captured
         report(section)
     del models

@@ -39,14 +39,20 @@ def plain_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy
 
 
-def run_check(
-    copy: Path, *args: str, pythonpath: str | None = None, unset: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
+def script_env(pythonpath: str | None = None, unset: tuple[str, ...] = ()) -> dict[str, str]:
+    """The script's environment: this interpreter, and no PYTHONPATH but `pythonpath`."""
     env = {**os.environ, "PYTHON": sys.executable}
     for name in ("PYTHONPATH", *unset):
         env.pop(name, None)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
+    return env
+
+
+def run_check(
+    copy: Path, *args: str, pythonpath: str | None = None, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    env = script_env(pythonpath, unset)
     return subprocess.run(
         [str(copy / "bench/gpu_check.sh"), *args],
         cwd="/",  # the script finds the repository from its own path
@@ -149,8 +155,7 @@ def test_it_needs_no_package_the_gpu_machine_lacks(plain_copy, tmp_path):
 
 def run_until_written(copy: Path, out: Path, *args: str) -> tuple[dict[str, Any], str]:
     """Start the script, kill it as soon as results.json first appears: (what it held, stderr)."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    env.pop("PYTHONPATH", None)
+    env = script_env()
     run = subprocess.Popen(
         [str(copy / "bench/gpu_check.sh"), str(out), "--device", "cpu", *args],
         env=env,
@@ -235,11 +240,8 @@ def test_a_measurement_that_fails_is_listed_and_the_run_fails(plain_copy, tmp_pa
     decode = json.loads((out / "results.json").read_text())["decode"]
     assert decode["rows"] == [] and decode["skipped"] == []
     failed = [error.split(":")[0] for error in decode["errors"]]
-    assert failed == [
-        "decode batch 4",
-        "decode batch 1",
-        "small batch 4",
-    ]  # no kernel row: no gather
+    # No kernel row, so no gather path to measure beside it.
+    assert failed == ["decode batch 4", "decode batch 1", "small batch 4"]
     assert "Triton runs only as its interpreter" in decode["errors"][0]
     assert (
         "error: `decode batch 4: ValueError: --decode-attention triton"

@@ -11,7 +11,7 @@ PIP_TORCH_ARGS ?=
 TRITON_SPEC ?= triton==3.9.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install redis tools up test test-fast test-slow lint simulate clean gpu-check
+.PHONY: install redis tools up test test-fast test-slow lint docs simulate clean gpu-check
 
 install: $(STAMP) redis tools
 
@@ -86,7 +86,12 @@ lint: install
 TEST_JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
-test: lint
+# The documentation site (mkdocs.yml, docs/) into site/. --strict: a broken link, a missing anchor
+# or a page left out of the nav fails the build (seconds), so `make test` runs it too.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+test: lint docs
 	$(PYTEST)
 
 test-fast: install
@@ -96,4 +101,4 @@ test-slow: install
 	$(PYTEST) -m slow
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site

@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from bench.trace import TraceRequest, percentile
-from engine.model_loader import LoadedModel
+from engine.models.model_loader import LoadedModel
 from engine.step_timing import sync_device
 
 HF_GENERATE = "hf-generate"

@@ -45,11 +45,11 @@ from bench.synthetic_trace import MIXED, synthetic_trace
 from bench.trace import TraceRequest, trace_requests
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.model_loader import LoadedModel, describe_loaded, load_model
-from engine.random_models import RANDOM_PREFIX, build_random_model, random_model_config
-from engine.sampling import TokenHistory, adjust_logits, sample, with_seed
+from engine.models.model_loader import LoadedModel, describe_loaded, load_model
+from engine.models.random_models import RANDOM_PREFIX, build_random_model, random_model_config
+from engine.sampler import TokenHistory, adjust_logits, sample, with_seed
 from engine.step_timing import sync_device
-from protocol.sampling import SamplingParams
+from generation.sampling_params import SamplingParams
 
 BF16_AGREEMENT_TOKENS = 32
 # Small shapes for --device cpu: the family's layout (GQA, RoPE type, real vocabulary), shrunk.
@@ -193,7 +193,7 @@ def check_correctness(device: torch.device) -> dict[str, Any]:
     ref = load_model(f"{RANDOM_PREFIX}tiny", device, torch.float32)  # transformers' attention
     engine = _small_pool_engine(load_model(f"{RANDOM_PREFIX}tiny", device, torch.float32), 20)
     fp32 = _run_joining(engine, requests)
-    preemptions = engine.policy.stats.num_preemptions_total
+    preemptions = engine.stats.num_preemptions_total
     failures, exact = {}, 0
     for i, ((prompt, n), got) in enumerate(zip(requests, fp32, strict=True)):
         want = reference_greedy(ref, prompt, n)
@@ -320,8 +320,8 @@ def _decode_step_ms(
         if rows != batch:
             raise RuntimeError(f"a timed step of batch {batch} decoded {rows} rows")
     n = steps - 1
-    contexts = [seq.num_tokens for seq in engine.policy.seqs.values()]
-    graphs = engine.runner.graphs
+    contexts = [seq.num_tokens for seq in engine.view.sequences()]
+    graphs = engine.view.decode_graphs
     graphed = graphs is not None and graphs.failed is None and graphs.num_steps >= n
     failure = None if graphs is None else graphs.failed
     attention, why_not = engine.decode_attention, engine.decode_kernel_unused_because

@@ -21,9 +21,9 @@ from bench.trace import TraceRequest
 from bench.zero_overhead import ZERO_OVERHEAD, run_zero_overhead
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.model_loader import LoadedModel
+from engine.models.model_loader import LoadedModel
 from engine.step_timing import PHASES, StepTiming
-from protocol.sampling import SamplingParams
+from generation.sampling_params import SamplingParams
 
 BASELINES = (HF_GENERATE, HF_CB, ZERO_OVERHEAD)
 # The phase table's columns after the engine's phases: the step as timed around Engine.step,
@@ -40,7 +40,7 @@ class StructuredRun:
     """--response-format: each policy runs again with every request constrained to `grammar`."""
 
     label: str  # json_object, json_schema, regex
-    grammar: str  # llguidance grammar (protocol.grammar)
+    grammar: str  # llguidance grammar (generation.grammar)
 
 
 @dataclass(slots=True)
@@ -102,7 +102,7 @@ def run_jitney(
             clock.saw(out.request_id, out.finished, bool(out.new_token_ids))
             ended_by_grammar += out.finish_reason == "stop"
         steps += 1
-        peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
+        peak_blocks = max(peak_blocks, engine.view.kv_used_blocks)
     wall = time.perf_counter() - clock.start
     useful = sum(len(v) for v in outputs.values())
     suffix = "" if structured is None else f"+{structured.label}"
@@ -116,9 +116,9 @@ def run_jitney(
         extra={
             "steps": steps,
             "slot_util": useful / (steps * config.max_num_seqs) if steps else 0.0,
-            "preemptions": engine.policy.stats.num_preemptions_total,
+            "preemptions": engine.stats.num_preemptions_total,
             "peak_kv_blocks": peak_blocks,
-            "kv_blocks_total": engine.block_manager.num_blocks,
+            "kv_blocks_total": engine.view.kv_total_blocks,
             "phase_ms_per_step": _ms_per_step(phases, step_s, steps),
             "detokenize": detokenize,
             "ended_by_grammar": ended_by_grammar,
@@ -130,10 +130,10 @@ def run_jitney(
 
 def _graphs_report(engine: Engine) -> dict[str, Any] | None:
     """How many decode graphs were captured and replayed (None: graphs off)."""
-    graphs = engine.runner.graphs
+    graphs = engine.view.decode_graphs
     if graphs is None:
         return None
-    return {"captured": len(graphs.graphs), "steps": graphs.num_steps, "failed": graphs.failed}
+    return {"captured": graphs.num_captured, "steps": graphs.num_steps, "failed": graphs.failed}
 
 
 def _ms_per_step(phases: StepTiming, step_s: float, steps: int) -> dict[str, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_loader import LoadedModel
+from engine.models.model_loader import LoadedModel
 
 NEAR_TIE = 1e-3  # log-prob gap to the argmax under which a different greedy token is a tie
 

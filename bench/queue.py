@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from bench.serve import run_serve
 from bench.trace import TraceRequest
-from protocol.private_redis import free_port, private_redis
+from launch.private_redis import free_port, private_redis
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PUBLISH_METRIC = "jitney_step_phase_seconds_sum{"

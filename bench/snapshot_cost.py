@@ -16,11 +16,11 @@ import time
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
+from generation.sampling_params import SamplingParams
 from protocol import Keys
 from protocol.redis_client import sync_client
-from protocol.sampling import SamplingParams
 from protocol.snapshot import SNAPSHOT_INTERVAL_S
-from worker.snapshot import SnapshotPublisher, build_snapshot
+from worker.live_snapshot import SnapshotPublisher, build_snapshot
 
 PROMPT_TOKENS = 16
 
@@ -32,7 +32,7 @@ def measure(
     params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
     for i in range(seats):
         engine.add_request(f"cmpl-{i:04d}", list(range(10, 10 + PROMPT_TOKENS)), params)
-    while any(s.num_uncomputed_tokens > 1 for s in engine.policy.seqs.values()):
+    while any(s.num_uncomputed_tokens > 1 for s in engine.view.sequences()):
         engine.step()  # every prompt computed: from here on, decode steps of the whole batch
     engine.step()  # warm
     start = time.perf_counter()

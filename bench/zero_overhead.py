@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from bench.baselines import RunResult
 from bench.trace import TraceRequest
-from engine.model_loader import LoadedModel
+from engine.models.model_loader import LoadedModel
 from engine.step_timing import sync_device
 from scheduler import BatchingPolicy, SchedulerConfig, StepPlan
 from scheduler import Sequence as SimSequence

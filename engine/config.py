@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from scheduler import POLICIES, SchedulerConfig
 from scheduler.config import SCHEDULER_DEFAULTS as SCHED
 
+if TYPE_CHECKING:  # torch loads with the engine, not with the command line's flag parsing
+    import torch
+
 DECODE_ATTENTION = ("auto", "triton", "gather")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Which forward runs the model (vLLM's name): Jitney's own for the Llama family
+# (engine/models/llama.py), transformers' model on Jitney's paged attention, or auto: Jitney's
+# where the architecture is covered, transformers' elsewhere.
+MODEL_IMPLS = ("auto", "jitney", "transformers")
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +37,13 @@ class EngineConfig:
     max_preemptions_per_seq: int = SCHED.max_preemptions_per_seq
     max_model_len: int | None = None  # None: the model's, capped to what the KV cache holds
     enable_prefix_caching: bool = True
-    # CUDA graphs for decode-only steps (engine/decode_graphs.py); True: every step eager.
+    # CUDA graphs for decode-only steps (engine/runner/decode_graphs.py); True: every step eager.
     enforce_eager: bool = False
-    # How decode tokens attend: "triton" reads K/V in place (engine/triton_decode.py), "gather"
-    # copies blocks then runs SDPA (any device); "auto": triton on CUDA where it runs, else gather.
+    # How decode tokens attend: "triton" reads K/V in place (engine/attention/triton_decode.py),
+    # "gather" copies blocks then runs SDPA (any device); "auto": triton on CUDA where it runs,
+    # else gather.
     decode_attention: str = "auto"
+    model_impl: str = "auto"
     cache_dir: str | None = None
     noop_step_ms: float = 0.0  # --model noop only: what its fake forward sleeps per step
 
@@ -54,6 +62,8 @@ class EngineConfig:
             raise ValueError(
                 f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
             )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.noop_step_ms < 0:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -62,15 +72,19 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

@@ -119,7 +119,7 @@ class PagedKVCache:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        # Decode tokens attend in place (engine/triton_decode.py) instead of via read_blocks.
+        # Decode tokens attend in place (engine/attention/triton_decode.py), not via read_blocks.
         self.decode_kernel = decode_kernel
         self.device = torch.device(device)
         # [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]; zeros so that reads of

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.step_inputs import AttentionMetadata
 from engine.kv_cache import KVCacheSpec, PagedKVCache
-from engine.paged_attention import AttentionMetadata, model_forward, use_paged_attention
-from engine.sampling import sample
-from protocol.sampling import SamplingParams
+from engine.models.forward import ModelForward
+from engine.sampler import sample
+from generation.sampling_params import SamplingParams
 
 # top-p without top-k: the full sort of every row, the sampler's costliest path (top-k takes
 # only the k largest).
@@ -37,27 +38,27 @@ def largest_step_layout(
 
 
 def run_largest_step(
-    model: torch.nn.Module,
+    forward: ModelForward,
+    device: torch.device,
     spec: KVCacheSpec,
     num_tokens: int,
     num_seqs: int,
     decode_kernel: bool = False,
 ) -> None:
     """One dummy step of the largest shape on a scratch pool (freed on return), through the
-    decode attention the engine will use."""
-    device = next(model.parameters()).device
+    model's forward and the decode attention the engine will use."""
     layout = largest_step_layout(num_tokens, num_seqs, spec.block_size)
     num_blocks = sum(len(blocks) for _, _, blocks in layout)
     pool = PagedKVCache(spec, num_blocks, device, decode_kernel)
-    use_paged_attention(model)
     meta = AttentionMetadata.build(layout, pool, input_ids=[0] * num_tokens)
     assert meta.input_ids is not None
-    logits = model_forward(model, meta.input_ids, None, meta, pool).float()
+    logits = forward(meta.input_ids, None, meta, pool).float()
     sample(logits, [_SAMPLED] * logits.shape[0], [0] * logits.shape[0])
 
 
 def step_peak_bytes(
-    model: torch.nn.Module,
+    forward: ModelForward,
+    device: torch.device,
     spec: KVCacheSpec,
     num_tokens: int,
     num_seqs: int,
@@ -65,14 +66,13 @@ def step_peak_bytes(
 ) -> int | None:
     """Bytes the largest step allocates beyond what was allocated before it (CUDA); None on a
     device without allocator statistics (the step still runs, so its shapes are checked)."""
-    device = next(model.parameters()).device
     if device.type != "cuda":
-        run_largest_step(model, spec, num_tokens, num_seqs, decode_kernel)
+        run_largest_step(forward, device, spec, num_tokens, num_seqs, decode_kernel)
         return None
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    run_largest_step(model, spec, num_tokens, num_seqs, decode_kernel)
+    run_largest_step(forward, device, spec, num_tokens, num_seqs, decode_kernel)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()

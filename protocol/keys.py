@@ -14,7 +14,7 @@ scale.md); a prefix that already holds a `{tag}` is used as it is.
 - `{p}:requests:{model}:p{priority}[:k:{key id}]` the queue of one priority, and of one API key
                             with a fair-share weight; priority 0 without a key is the default
 - `{p}:queues:{model}`      sorted set queue stream -> priority: every queue of the model, read
-                            most urgent first (worker/redis_io.py, _READ)
+                            most urgent first (protocol/queue/scripts.py, READ)
 - `{p}:queue_weights:{model}` hash queue stream -> its key's weight (1 when it has none)
 - `{p}:queue_deficits:{model}` hash queue stream -> its deficit in tokens (deficit round robin
                             between the queues of one priority)

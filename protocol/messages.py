@@ -11,9 +11,12 @@ from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
-from protocol.sampling import SamplingParams
+from generation.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
+# The fields of every message's stream entry (or hash): the version, the message as JSON, and
+# in a reply stream's entry a batch of replies instead (encode_replies). protocol/queue adds one.
+VERSION_FIELD, MESSAGE_FIELD, BATCH_FIELD = "v", "m", "b"
 # A request's priority: an integer, lower is served first (as vLLM defines it); 0 by default.
 # Batch API lines run at the least urgent, BATCH_PRIORITY.
 PRIORITIES = range(-100, 101)
@@ -34,7 +37,8 @@ class Message:
     kind: ClassVar[str] = "message"
 
     def encode(self) -> dict[str, str]:
-        return {"v": str(PROTOCOL_VERSION), "m": json.dumps(asdict(self), separators=(",", ":"))}
+        message = json.dumps(asdict(self), separators=(",", ":"))
+        return {VERSION_FIELD: str(PROTOCOL_VERSION), MESSAGE_FIELD: message}
 
     @classmethod
     def decode(cls: type[M], entry: dict[Any, Any]) -> M:
@@ -44,12 +48,12 @@ class Message:
                 raise ProtocolError(f"{cls.kind}: missing field {key!r}")
             return value.decode() if isinstance(value, bytes) else str(value)
 
-        if text("v") != str(PROTOCOL_VERSION):
+        if text(VERSION_FIELD) != str(PROTOCOL_VERSION):
             raise ProtocolError(
-                f"{cls.kind}: protocol version {text('v')}, expected {PROTOCOL_VERSION}"
+                f"{cls.kind}: protocol version {text(VERSION_FIELD)}, expected {PROTOCOL_VERSION}"
             )
         try:
-            return cls.from_dict(json.loads(text("m")))
+            return cls.from_dict(json.loads(text(MESSAGE_FIELD)))
         except ValueError as e:
             raise ProtocolError(f"{cls.kind}: malformed message: {e}") from e
 
@@ -120,7 +124,7 @@ def encode_replies(replies: Sequence[ReplyMessage]) -> dict[str, str]:
     """Several replies as one stream entry (`b`: a JSON array): what one worker step has for
     one gateway goes in one XADD, not one per request."""
     batch = json.dumps([_compact(r) for r in replies], separators=(",", ":"))
-    return {"v": str(PROTOCOL_VERSION), "b": batch}
+    return {VERSION_FIELD: str(PROTOCOL_VERSION), BATCH_FIELD: batch}
 
 
 def _compact(reply: ReplyMessage) -> dict[str, Any]:
@@ -131,10 +135,10 @@ def _compact(reply: ReplyMessage) -> dict[str, Any]:
 
 def decode_replies(entry: dict[Any, Any]) -> list[ReplyMessage]:
     """A reply stream entry: one reply (`m`) or a batch of them (`b`), in order."""
-    batch = entry.get("b", entry.get(b"b"))
+    batch = entry.get(BATCH_FIELD, entry.get(BATCH_FIELD.encode()))
     if batch is None:
         return [ReplyMessage.decode(entry)]
-    version = entry.get("v", entry.get(b"v"))
+    version = entry.get(VERSION_FIELD, entry.get(VERSION_FIELD.encode()))
     version = version.decode() if isinstance(version, bytes) else str(version)
     if version != str(PROTOCOL_VERSION):
         raise ProtocolError(f"reply: protocol version {version}, expected {PROTOCOL_VERSION}")

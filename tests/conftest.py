@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Iterator
 
-# Triton kernels (engine/triton_decode.py) run here on the CPU, under Triton's interpreter; it
-# must be chosen before Triton is first imported. Off by default outside tests.
+# Triton kernels (engine/attention/triton_decode.py) run here on the CPU, under Triton's
+# interpreter; it must be chosen before Triton is first imported. Off by default outside tests.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest

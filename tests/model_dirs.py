@@ -12,7 +12,7 @@ def write_random_llama(path: Path, seed: int = 0, **config: Any) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.tiny_model import build_tiny_tokenizer
+    from engine.models.tiny_model import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     llama = LlamaConfig(

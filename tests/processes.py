@@ -14,7 +14,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.private_redis import libc_prctl
+from launch.private_redis import libc_prctl
 
 PROC = Path("/proc")
 SERVERS = frozenset({"redis-server", "prometheus", "nginx"})  # as /proc/<pid>/comm names them

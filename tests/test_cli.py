@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -107,3 +109,71 @@ def test_max_preemptions_per_seq_below_one_is_refused():
     args = build_parser(["worker"]).parse_args(["worker", "--max-preemptions-per-seq", "0"])
     with pytest.raises(ValueError, match="max_preemptions_per_seq must be >= 1, got 0"):
         engine_config_from_args(args)
+
+
+def flag_defaults(command: str, *configs: type) -> tuple[dict[str, object], dict[str, object]]:
+    """(each valued flag's default by dest, a sentinel per config field): the parser built while
+    every plain field default of `configs` is a sentinel, so a flag that took its default from
+    its field holds that field's sentinel, and one with a literal of its own holds the literal."""
+    sentinels: dict[str, object] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for config in configs:
+            for f in dataclasses.fields(config):
+                if f.default is not dataclasses.MISSING:
+                    sentinels[f.name] = object()
+                    mp.setattr(f, "default", sentinels[f.name])
+        parser = build_parser([command])
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    actions = sub.choices[command]._actions
+    return {a.dest: a.default for a in actions if a.option_strings and a.nargs != 0}, sentinels
+
+
+def test_every_engine_flag_defaults_to_its_engine_config_field():
+    """Each valued engine flag's default is EngineConfig's field (read, never written again), and
+    the switches are off where the fields are: no flags give exactly a bare EngineConfig."""
+    from engine.config import EngineConfig
+
+    defaults, sentinels = flag_defaults("worker", EngineConfig)
+    engine_flags = {dest: defaults[dest] for dest in defaults.keys() & sentinels.keys()}
+    assert (
+        set(engine_flags)
+        == {f.name for f in dataclasses.fields(EngineConfig)} - SWITCHED_ENGINE_FIELDS
+    ), "an engine field without a flag, or a flag under another name"
+    for dest, default in engine_flags.items():
+        assert default is sentinels[dest], f"--{dest.replace('_', '-')} writes its own default"
+    args = build_parser(["worker"]).parse_args(["worker"])
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+# Engine fields set by a switch (--reserve, --no-prefix-caching, --enforce-eager), not a value.
+SWITCHED_ENGINE_FIELDS = {"reserve_full_length", "enable_prefix_caching", "enforce_eager"}
+
+
+def test_every_gateway_flag_defaults_to_its_gateway_config_field():
+    """Each gateway flag's default is GatewayConfig's (or RateLimits') field, never a literal."""
+    from gateway.config import GatewayConfig, RateLimits
+
+    defaults, sentinels = flag_defaults("gateway", GatewayConfig, RateLimits)
+    # Flags named other than their field; the rest share the field's name.
+    fields = {
+        "shutdown_timeout": "shutdown_timeout_s",
+        "batch_lease": "batch_lease_s",
+        "rate_limit_rps": "rps",
+        "rate_limit_burst": "burst",
+        "rate_limit_tpm": "tpm",
+    }
+    # Flags with no plain field default: a generated id, keys parsed into ApiKeys, logging.
+    no_field = {"gateway_id", "api_keys", "api_keys_file", "log_level"}
+    assert set(defaults) - no_field, "no gateway flags found"
+    for dest, default in defaults.items():
+        if dest not in no_field:
+            field = fields.get(dest, dest)
+            assert default is sentinels[field], f"--{dest.replace('_', '-')} writes its own default"
+    config = GatewayConfig()
+    args = build_parser(["gateway"]).parse_args(["gateway"])
+    assert (args.port, args.max_queue_len, args.batch_lease) == (
+        config.port,
+        config.max_queue_len,
+        config.batch_lease_s,
+    )
+    assert args.queue_without_workers is config.queue_without_workers is False

@@ -1,7 +1,8 @@
 """The package layers: no import runs back up, and the pure parts stay pure.
 
 Layers, top down: `jitney/` → `bench/`, `worker/` → `engine/`, `gateway/` → `scheduler/`,
-`protocol/`. Every import statement counts, lazy ones inside functions too.
+`protocol/` → `generation/` (what a token stream means) and `launch/` (local process
+management). Every import statement counts, lazy ones inside functions too.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN: dict[str, set[str]] = {
     "scheduler": {"torch", "redis", "aiohttp", "transformers", "protocol", "engine", "worker"}
     | {"gateway", "bench", "jitney"},
-    "protocol": {"torch", "engine", "worker", "gateway", "bench", "jitney", "scheduler"},
-    "engine": {"redis", "aiohttp", "protocol.keys", "protocol.redis_client", "worker"}
-    | {"gateway", "bench", "jitney"},
-    "worker": {"gateway", "bench", "jitney", "aiohttp"},
-    "gateway": {"torch", "engine", "worker", "bench", "jitney"},
+    "generation": {"torch", "redis", "aiohttp", "protocol", "launch", "scheduler", "engine"}
+    | {"worker", "gateway", "bench", "jitney"},
+    "launch": {"torch", "transformers", "redis", "aiohttp", "protocol", "generation"}
+    | {"scheduler", "engine", "worker", "gateway", "bench", "jitney"},
+    "protocol": {"torch", "engine", "worker", "gateway", "bench", "jitney", "scheduler", "launch"},
+    "engine": {"redis", "aiohttp", "protocol.keys", "protocol.redis_client", "protocol.queue"}
+    | {"launch", "worker", "gateway", "bench", "jitney"},
+    "worker": {"gateway", "bench", "jitney", "aiohttp", "launch"},
+    "gateway": {"torch", "engine", "worker", "bench", "jitney", "launch"},
     "bench": {"jitney"},
 }
 
@@ -59,6 +64,37 @@ def test_the_rule_sees_lazy_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from worker.service import run\n")
     assert {"worker", "worker.service", "worker.service.run"} <= imported_modules(module)
+
+
+# The gateway's rooms, top down: http (the app) → batch → serving (the request path) → openai
+# (the shapes). gateway.app_state is the app's key to the shared state, for route modules only.
+GATEWAY_ROOMS: dict[str, set[str]] = {
+    "openai": {"gateway.serving", "gateway.batch", "gateway.http", "gateway.app_state", "redis"},
+    "serving": {"gateway.batch", "gateway.http", "gateway.app_state"},
+    "batch": {"gateway.http"},
+    "http": set(),
+}
+
+
+@pytest.mark.parametrize("room", sorted(GATEWAY_ROOMS))
+def test_gateway_rooms_import_nothing_above_them(room: str) -> None:
+    """Each room of the gateway imports none of the rooms above it."""
+    files = sorted((ROOT / "gateway" / room).rglob("*.py"))
+    assert files, f"no modules found under gateway/{room}/"
+    offences = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in files
+        for name in sorted(imported_modules(path) & GATEWAY_ROOMS[room])
+    ]
+    assert not offences, "\n".join(offences)
+
+
+def test_every_gateway_module_is_in_a_room() -> None:
+    """Beside the rooms, gateway/ holds only its config and the app's shared-state key."""
+    loose = {path.name for path in (ROOT / "gateway").glob("*.py")}
+    assert loose == {"__init__.py", "config.py", "app_state.py"}
+    rooms = {path.name for path in (ROOT / "gateway").iterdir() if (path / "__init__.py").exists()}
+    assert rooms == set(GATEWAY_ROOMS)
 
 
 def _key_pattern() -> re.Pattern[str]:
@@ -118,3 +154,93 @@ def test_the_key_rule_sees_f_strings_and_plain_strings(tmp_path: Path) -> None:
         'def f(p, g):\n    return f"{p}:replies:{g}", "jitney:workers", "a: requests"\n'
     )
     assert [text for _, text in spelled_keys(module)] == [":replies:", "jitney:workers"]
+
+
+# A Lua script is a string that calls redis; a stream script is one naming a stream command.
+LUA_CALL = re.compile(r"\bredis\.p?call\b")
+STREAM_COMMAND = re.compile(
+    r"""['"]x(ack|add|autoclaim|claim|del|group|info|len|pending|range|read|readgroup|revrange"""
+    r"""|setid|trim)[a-z]*['"]""",
+    re.IGNORECASE,
+)
+QUEUE_MODULE = ROOT / "protocol" / "queue"
+
+
+def spelled_stream_scripts(path: Path) -> list[tuple[int, str]]:
+    """(line, stream command) of each Lua script in `path` that names a stream command."""
+    return [
+        (line, STREAM_COMMAND.search(text).group(0))  # type: ignore[union-attr]
+        for line, text in _spelled_strings(path)
+        if LUA_CALL.search(text) and STREAM_COMMAND.search(text)
+    ]
+
+
+def test_only_the_queue_module_spells_a_stream_script() -> None:
+    """Every Lua script that touches a stream (enqueue, the backlog reading, the DRR read,
+    publish/ack/refund) is protocol/queue's, which both ends import; other scripts (rate
+    limits, batch state) touch no stream and stay beside the one module that owns their keys."""
+    packages = ["scheduler", "engine", "worker", "gateway", "bench", "jitney", "tests", "protocol"]
+    offences = [
+        f"{path.relative_to(ROOT)}:{line}: a script calling {command}"
+        for package in packages
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if QUEUE_MODULE not in path.parents and path != Path(__file__).resolve()
+        for line, command in spelled_stream_scripts(path)
+    ]
+    assert not offences, "\n".join(offences)
+    assert spelled_stream_scripts(QUEUE_MODULE / "scripts.py"), "the queue's scripts not seen"
+
+
+def test_the_stream_script_rule_sees_scripts_not_prose(tmp_path: Path) -> None:
+    """A script calling a stream command is caught (any case, redis.call or pcall, in an
+    f-string too); a docstring naming one, a script on other keys, or a Python XADD is not."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        '"""Calls redis.call(\'XADD\', ...)."""\n'
+        "A = \"redis.call('XADD', KEYS[1], '*', 'v', ARGV[1])\"\n"
+        "B = \"local ok, g = pcall(redis.call, 'xinfo', 'GROUPS', q)\"\n"
+        "C = f\"redis.pcall('XACK', {'k'}, ARGV[1])\"\n"
+        "D = \"redis.call('HSET', KEYS[1], 'x', 1)\"\n"
+        "def f(r):\n    return r.xadd('s', {'v': 1})\n"
+    )
+    assert spelled_stream_scripts(module) == [(2, "'XADD'"), (3, "'xinfo'"), (4, "'XACK'")]
+
+
+# What code outside the engine must not read of an engine: it reads `engine.view` instead.
+ENGINE_INTERNALS = {"policy", "block_manager", "requests", "runner", "choices", "kv_cache"}
+
+
+def engine_reach_ins(path: Path) -> list[tuple[int, str]]:
+    """(line, `x.name`) of each read of an engine internal in `path`: an attribute in
+    ENGINE_INTERNALS of something named like an engine (`engine`, `self.engine`, `big_engine`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute) or node.attr not in ENGINE_INTERNALS:
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+        if "engine" in name:
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_outside_the_engine_only_its_view_is_read() -> None:
+    """The worker, the benchmarks and the command line read an engine through `Engine.view`
+    (engine/engine_view.py), never its policy, block manager, choices or runner (tests may, to
+    check invariants)."""
+    offences = [
+        f"{path.relative_to(ROOT)}:{line}: {read}"
+        for package in ["worker", "bench", "jitney", "gateway"]
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line, read in engine_reach_ins(path)
+    ]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_view_rule_sees_an_engine_by_its_name(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def f(self, engine, args):\n"
+        "    engine.policy.waiting, self.engine.block_manager, args.policy, engine.view.kv_usage\n"
+    )
+    assert engine_reach_ins(module) == [(2, "engine.policy"), (2, "self.engine.block_manager")]

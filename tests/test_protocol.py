@@ -1,4 +1,5 @@
-"""The wire protocol: messages round-trip, versions are checked, model cards rebuild tokenizers."""
+"""The wire protocol: messages round-trip, versions are checked, model cards rebuild tokenizers,
+the request queue's entries and script calls keep their layout."""
 
 import json
 import re
@@ -6,8 +7,10 @@ import re
 import pytest
 from redis.crc import key_slot
 
-from engine.tiny_model import build_tiny_tokenizer
+from engine.models.tiny_model import build_tiny_tokenizer
 from protocol import (
+    REPLY_STREAM_MAXLEN,
+    WORKER_GROUP,
     CancelMessage,
     Keys,
     ModelCard,
@@ -19,6 +22,22 @@ from protocol import (
     encode_replies,
 )
 from protocol.model_card import card_from_tokenizer, tokenizer_from_card
+from protocol.queue import (
+    DRR_QUANTUM,
+    READ_ALL,
+    Queue,
+    addressing,
+    backlog_call,
+    dead_letter_fields,
+    encode_entry,
+    enqueue_call,
+    entry_cost,
+    heartbeat_call,
+    publish_call,
+    read_call,
+    read_reply,
+)
+from protocol.queue import scripts as queue_scripts
 
 
 def test_messages_round_trip_through_stream_fields():
@@ -173,3 +192,81 @@ def test_a_worker_step_s_replies_travel_as_one_compact_entry():
     for bad in ("{", '{"a": 1}', "[1]"):
         with pytest.raises(ProtocolError):
             decode_replies({"v": entry["v"], "b": bad})
+
+
+QUEUE_KEYS = Keys()
+
+
+def test_a_request_entry_carries_its_message_and_cost_and_is_read_back_leniently():
+    """encode_entry adds the fair-share cost to the message's fields; the worker reads the cost
+    and the addressing without validating the rest, and a broken entry reads as nothing."""
+    req = RequestMessage("r1", "m", [1, 2], {}, QUEUE_KEYS.replies("g1"), "g1", 0.0)
+    fields = {k.encode(): v.encode() for k, v in encode_entry(req, 40).items()}
+    assert set(fields) == {b"v", b"m", b"c"} and RequestMessage.decode(fields) == req
+    assert entry_cost(fields) == 40 and addressing(fields) == ("r1", QUEUE_KEYS.replies("g1"))
+    for broken in ({}, {b"m": b"{", b"c": b"x"}, {b"m": b"[1]", b"c": b"-3"}):
+        assert entry_cost(broken) == 0 and addressing(broken) == ("", "")
+    dead = dead_letter_fields(fields, "1-2", "poison")
+    assert dead == {**fields, "entry_id": "1-2", "reason": "poison"}
+
+
+def test_queue_scripts_name_the_entry_fields_the_ends_write():
+    """The scripts' field placeholders are all filled in: the enqueue script writes the fields
+    encode_entry makes, the read script charges the cost field, publish writes a reply batch."""
+    for name in ("ENQUEUE", "BACKLOG", "READ", "PUBLISH", "HEARTBEAT"):
+        assert "$" not in getattr(queue_scripts, name), name
+    assert "'*', 'v', ARGV[4], 'm', ARGV[5], 'c', ARGV[6]" in queue_scripts.ENQUEUE
+    assert "fields[i] == 'c'" in queue_scripts.READ
+    assert queue_scripts.PUBLISH.count("'*', 'v', v, 'b', b)") == 2
+
+
+def test_queue_script_calls_lay_out_keys_and_argv_as_the_scripts_read_them():
+    """Each builder's KEYS and ARGV, in the order scripts.py documents."""
+    k, model = QUEUE_KEYS, "m"
+    queue = Queue(priority=-5, share="key1", weight=3)
+    fields = encode_entry(RequestMessage("r", model, [1], {}, "x", "g", 0.0), 7)
+    call = enqueue_call(k, model, queue, fields, prompt_tokens=1)
+    stream = k.requests(model, -5, "key1")
+    assert call.keys == [k.queues(model), k.queue_weights(model), stream, k.queued_tokens(model)]
+    assert call.args == [-5, 3, WORKER_GROUP, fields["v"], fields["m"], "7", 1]
+    call = backlog_call(k, model, 11)
+    assert call == (
+        [k.queues(model), k.requests(model), k.queued_tokens(model)],
+        [WORKER_GROUP, 11],
+    )
+    call = read_call(k, model, "w1", 4)
+    assert call.keys == [
+        k.queues(model),
+        k.queue_weights(model),
+        k.queue_deficits(model),
+        k.requests(model),
+    ]
+    assert call.args == [WORKER_GROUP, "w1", 4, READ_ALL, DRR_QUANTUM]
+    assert read_call(k, model, "w1", 4, below=0).args[3] == 0
+    call = heartbeat_call(k, "w1", model, "card", 12.5)
+    assert call.keys == [k.fenced("w1"), k.workers, k.model("card"), k.model_workers(model)]
+    assert call.args == ["w1", 12.5]
+
+
+def test_publish_call_writes_one_entry_per_reply_stream_then_acks_then_refunds():
+    """A step's replies go one batch per stream in order (NOMKSTREAM for a gone gateway's),
+    then each ack, then each refund; a fenced worker's flag is the first key."""
+    k, gone, live = QUEUE_KEYS, QUEUE_KEYS.replies("gone"), QUEUE_KEYS.replies("live")
+    a0, b0, a1 = ReplyMessage("a", 0), ReplyMessage("b", 0), ReplyMessage("a", 1)
+    replies = [(live, a0), (gone, b0), (live, a1)]
+    call = publish_call(k, "w1", "m", replies, {gone}, [("q", "1-0")], [("q", 5)])
+    assert call.keys == [k.fenced("w1"), k.queue_deficits("m")]
+    batches = [encode_replies([a0, a1]), encode_replies([b0])]
+    assert call.args == [
+        *(WORKER_GROUP, REPLY_STREAM_MAXLEN),
+        *("R", live, 0, batches[0]["v"], batches[0]["b"]),
+        *("R", gone, 1, batches[1]["v"], batches[1]["b"]),
+        *("A", "q", "1-0"),
+        *("F", "q", 5),
+    ]
+
+
+def test_the_read_script_s_reply_becomes_queues_and_entries():
+    """READ returns its queues flat with their priorities and each entry's fields flat."""
+    reply = [[b"q0", b"0", b"q1", b"-3"], [[b"q1", b"5-1", [b"v", b"1", b"c", b"9"]]]]
+    assert read_reply(reply) == ({"q0": 0, "q1": -3}, [("q1", "5-1", {b"v": b"1", b"c": b"9"})])

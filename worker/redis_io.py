@@ -1,12 +1,12 @@
 """The worker's Redis calls, one method per round trip, so the engine loop reads as steps.
 
-Pure I/O: decoding, validation and logging are the service's. Every key comes from
+Pure I/O: the scripts, their KEYS and ARGV and the entry fields are the queue contract's
+(protocol/queue); decoding, validation and logging are the engine loop's. Every key comes from
 `protocol.Keys`. Methods raise redis' ConnectionError/TimeoutError; the loop retries.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,14 +18,23 @@ from protocol import (
     DEAD_LETTER_MAXLEN,
     FENCE_TTL_S,
     RELEASED_CONSUMER,
-    REPLY_STREAM_MAXLEN,
     WORKER_GROUP,
     Keys,
     ModelCard,
     ProtocolError,
     ReplyMessage,
     decode_replies,
-    encode_replies,
+)
+from protocol.queue import (
+    Addressing,
+    Fields,
+    addressing,
+    dead_letter_fields,
+    heartbeat_call,
+    publish_call,
+    read_call,
+    read_reply,
+    scripts,
 )
 from protocol.redis_client import sync_client
 
@@ -35,173 +44,9 @@ MAX_CANCELS_PER_READ = 1000
 # Handed-back entries are marked idle this long, so any claimer's min-idle test passes at once.
 RELEASED_IDLE_MS = 24 * 3600 * 1000
 
-# Both scripts run every step or second, so they are registered once and called by SHA
-# (redis-py's Script: EVALSHA, and SCRIPT LOAD + EVALSHA again on NOSCRIPT, as after a restart).
-
-# One step's replies and acks, applied atomically unless this worker has been fenced (another
-# worker judged it dead and took its requests over): a fenced worker's late writes would
-# interleave with its successor's. Returns 0 when fenced, 1 when applied.
-# KEYS: fence flag, the model's queue deficits. ARGV: group, reply maxlen, then operations:
-#   R stream nomkstream(0|1) v b   (one XADD: a gateway's replies of this step, as a batch)
-#   A queue entry_id               (XACK + XDEL of a request queue's entry)
-#   F queue tokens                 (a fair-share refund: it lowers the queue's debt, never
-#                                   past 0, and only for a queue the round robin keeps)
-# Every key named in ARGV shares the deployment's hash tag (protocol.Keys): one cluster slot.
-# The reply stream is also the record a takeover continues from (WorkerRedis.claim): no write
-# per request besides its reply, which halves what Redis does per streamed token.
-_PUBLISH = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local group, maxlen = ARGV[1], ARGV[2]
-local i = 3
-while i <= #ARGV do
-  local op = ARGV[i]
-  if op == 'R' then
-    local stream, nomk, v, b = ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4]
-    if nomk == '1' then
-      redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'v', v, 'b', b)
-    else
-      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'v', v, 'b', b)
-    end
-    i = i + 5
-  elseif op == 'A' then
-    -- pcall: after a restart without persistence the group may be gone; nothing to ack then
-    redis.pcall('XACK', ARGV[i+1], group, ARGV[i+2])
-    redis.call('XDEL', ARGV[i+1], ARGV[i+2])
-    i = i + 3
-  else  -- 'F'
-    if redis.call('HEXISTS', KEYS[2], ARGV[i+1]) == 1 then
-      if redis.call('HINCRBY', KEYS[2], ARGV[i+1], ARGV[i+2]) > 0 then
-        redis.call('HSET', KEYS[2], ARGV[i+1], 0)
-      end
-    end
-    i = i + 3
-  end
-end
-return 1
-"""
-
-# The heartbeat renews the lease only while not fenced: a fenced worker must not look alive
-# until it has handed back what it still holds. It also says whether the model card exists (a
-# Redis restart loses it): one call, not a pipeline (a pipeline of scripts costs a SCRIPT EXISTS
-# round trip first). The lease is renewed in the model's worker set too (what gateways check to
-# serve the model); ids an hour stale leave it (ids are per process: the set would only grow).
-# KEYS: fence flag, workers, model card, model workers. ARGV: worker id, now.
-# Returns {renewed (1) or fenced (0), card exists (1|0)}.
-_HEARTBEAT = """
-local has_card = redis.call('EXISTS', KEYS[3])
-if redis.call('EXISTS', KEYS[1]) == 1 then return {0, has_card} end
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[2] - 3600)
-return {1, has_card}
-"""
-
-# Read up to `count` new entries of a model's queues for this consumer: most urgent priority
-# first; between the queues of one priority, deficit round robin counted in tokens (each entry's
-# `c`), weighted by each queue's weight, with the deficits kept in a hash so shares hold across
-# reads. Only queues more urgent than ARGV[4] are read (a full worker reads only what it would
-# preempt for). A queue without the group gets it at id 0 (a restart without persistence).
-# Returns {queues with their priorities (flat), entries as {queue, id, fields}}.
-# KEYS: queue set, weights, deficits, default queue. ARGV: group, consumer, count, below
-# (a priority, exclusive; READ_ALL for all), quantum (tokens a weight-1 queue gets per round).
-_READ = """
-local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local below, quantum = ARGV[4], tonumber(ARGV[5])
-local function read(queue, n)
-  local r = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', queue, '>')
-  if type(r) == 'table' and r.err then
-    if not string.find(r.err, 'NOGROUP') then error(r.err) end
-    redis.call('XGROUP', 'CREATE', queue, group, '0', 'MKSTREAM')
-    r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', queue, '>')
-  end
-  if not r then return {} end
-  return r[1][2]
-end
-local function cost(fields)
-  for i = 1, #fields, 2 do
-    if fields[i] == 'c' then return tonumber(fields[i + 1]) or 1 end
-  end
-  return 1
-end
-local listed = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-local levels, order = {}, {}
-local function add(queue, priority)
-  if not levels[priority] then levels[priority] = {}; table.insert(order, priority) end
-  table.insert(levels[priority], queue)
-end
-local default_listed = false
-for i = 1, #listed, 2 do
-  add(listed[i], tonumber(listed[i + 1]))
-  default_listed = default_listed or listed[i] == KEYS[4]
-end
-if not default_listed then
-  add(KEYS[4], 0)
-  table.insert(listed, KEYS[4])
-  table.insert(listed, '0')
-end
-table.sort(order)
-local out = {}
-for _, priority in ipairs(order) do
-  if #out >= want or priority >= tonumber(below) then break end
-  local queues = levels[priority]
-  if #queues == 1 then
-    for _, e in ipairs(read(queues[1], want - #out)) do
-      table.insert(out, {queues[1], e[1], e[2]})
-    end
-  else
-    local weights = redis.call('HMGET', KEYS[2], unpack(queues))
-    local deficits = redis.call('HMGET', KEYS[3], unpack(queues))
-    local live = #queues
-    for k = 1, #queues do
-      weights[k] = tonumber(weights[k]) or 1
-      deficits[k] = tonumber(deficits[k]) or 0
-    end
-    local empty = {}
-    while #out < want and live > 0 do
-      local served = false
-      for k = 1, #queues do
-        if not empty[k] and deficits[k] > 0 and #out < want then
-          local e = read(queues[k], 1)[1]
-          if e then
-            table.insert(out, {queues[k], e[1], e[2]})
-            deficits[k] = deficits[k] - cost(e[2])
-            served = true
-          else  -- nothing waiting: an idle queue keeps no credit
-            empty[k], live = true, live - 1
-            if deficits[k] > 0 then deficits[k] = 0 end
-          end
-        end
-      end
-      if not served and live > 0 then  -- a new round: enough quanta that one queue can go
-        local rounds = math.huge
-        for k = 1, #queues do
-          if not empty[k] then
-            local share = quantum * weights[k]
-            rounds = math.min(rounds, math.floor((0 - deficits[k]) / share) + 1)
-          end
-        end
-        for k = 1, #queues do
-          if not empty[k] then deficits[k] = deficits[k] + rounds * quantum * weights[k] end
-        end
-      end
-    end
-    local flat = {}
-    for k = 1, #queues do table.insert(flat, queues[k]); table.insert(flat, deficits[k]) end
-    redis.call('HSET', KEYS[3], unpack(flat))
-  end
-end
-return {listed, out}
-"""
-# Tokens a weight-1 queue gets per round of the deficit round robin. A top-up grants just enough
-# rounds for the next queue to go (computed, not looped), so a small quantum costs nothing and
-# interleaves request by request: no queue banks credit that a queue arriving later must wait out.
-DRR_QUANTUM = 1
-READ_ALL = 1_000_000_000  # `below` for reading every priority
 # While a model has one queue, reads skip the script but for one every this often (to find a
 # first queue of another priority).
 LIST_QUEUES_S = 0.5
-
-Fields = dict[bytes, bytes]
 
 
 @dataclass(slots=True)
@@ -304,9 +149,10 @@ class WorkerRedis:
         self._list_queues_at = 0.0  # monotonic: when a read next runs the script regardless
         self.model_workers = keys.model_workers(model)
         self.queued_tokens = keys.queued_tokens(model)
-        self._heartbeat = client.register_script(_HEARTBEAT)
-        self._publish = client.register_script(_PUBLISH)
-        self._read = client.register_script(_READ)
+        # Each runs every step or second: registered once, called by SHA (scripts.py).
+        self._heartbeat = client.register_script(scripts.HEARTBEAT)
+        self._publish = client.register_script(scripts.PUBLISH)
+        self._read = client.register_script(scripts.READ)
 
     @classmethod
     def connect(
@@ -338,13 +184,8 @@ class WorkerRedis:
     def heartbeat(self, card: ModelCard) -> bool:
         """Renew this worker's lease; publish the model card if it is missing (a Redis restart
         lost it). One round trip unless the card is missing. False: this worker is fenced."""
-        keys = [
-            self.keys.fenced(self.worker_id),
-            self.keys.workers,
-            self.keys.model(card.name),
-            self.model_workers,
-        ]
-        renewed, has_card = self._heartbeat(keys=keys, args=[self.worker_id, time.time()])
+        call = heartbeat_call(self.keys, self.worker_id, self.model, card.name, time.time())
+        renewed, has_card = self._heartbeat(keys=call.keys, args=call.args)
         if not has_card:
             self.publish_card(card)
         return bool(renewed)
@@ -427,8 +268,8 @@ class WorkerRedis:
         self, count: int, block_ms: int | None, below: int | None = None
     ) -> list[Entry]:
         """Up to `count` new entries for this consumer, most urgent first, fair between the
-        queues of one priority (_READ). Only entries more urgent than `below`, when given. With
-        `block_ms`, and nothing there, wait that long for an entry of any queue.
+        queues of one priority (scripts.READ). Only entries more urgent than `below`, when
+        given. With `block_ms`, and nothing there, wait that long for an entry of any queue.
 
         While the model has only its default queue (as the script last said: it runs at least
         every LIST_QUEUES_S), a plain XREADGROUP does, as before queues per priority existed;
@@ -437,19 +278,10 @@ class WorkerRedis:
         if below is None and len(self.queues) == 1 and now < self._list_queues_at:
             return self._read_default(count, block_ms)
         self._list_queues_at = now + LIST_QUEUES_S
-        keys = [
-            self.keys.queues(self.model),
-            self.keys.queue_weights(self.model),
-            self.keys.queue_deficits(self.model),
-            self.requests,
-        ]
-        limit = READ_ALL if below is None else below
-        args = [WORKER_GROUP, self.worker_id, count, limit, DRR_QUANTUM]
-        listed, found = self._read(keys=keys, args=args)
-        self.queues = {
-            _text(listed[i]): int(float(listed[i + 1])) for i in range(0, len(listed), 2)
-        }
-        entries = [Entry(_text(i), _field_map(f), _text(q)) for q, i, f in found]
+        call = read_call(self.keys, self.model, self.worker_id, count, below)
+        reply = read_reply(self._read(keys=call.keys, args=call.args))
+        self.queues = reply.queues
+        entries = [Entry(entry_id, fields, queue) for queue, entry_id, fields in reply.entries]
         if entries or not block_ms or below is not None:
             return entries
         # Nothing waiting: block on every queue at once (one entry each at most; an idle or
@@ -486,19 +318,16 @@ class WorkerRedis:
 
     def publish(self, outbox: Outbox) -> bool:
         """Apply one step's writes atomically; False (nothing written) if this worker is fenced."""
-        args: list[str | int] = [WORKER_GROUP, REPLY_STREAM_MAXLEN]
-        by_stream: dict[str, list[ReplyMessage]] = {}
-        for stream, reply in outbox.replies:  # in order: a request's seqs stay in order
-            by_stream.setdefault(stream, []).append(reply)
-        for stream, replies in by_stream.items():
-            fields = encode_replies(replies)
-            args += ["R", stream, int(stream in outbox.gone_streams), fields["v"], fields["b"]]
-        for queue, entry_id in outbox.acks:
-            args += ["A", queue, entry_id]
-        for queue, tokens in outbox.refunds:
-            args += ["F", queue, tokens]
-        keys = [self.keys.fenced(self.worker_id), self.keys.queue_deficits(self.model)]
-        return bool(self._publish(keys=keys, args=args))
+        call = publish_call(
+            self.keys,
+            self.worker_id,
+            self.model,
+            outbox.replies,
+            outbox.gone_streams,
+            outbox.acks,
+            outbox.refunds,
+        )
+        return bool(self._publish(keys=call.keys, args=call.args))
 
     # ----- taking over orphaned work -------------------------------------------------------
     def roster(self, lease_s: float) -> Roster:
@@ -567,17 +396,14 @@ class WorkerRedis:
             gone = [_text(i) for i, fields in got if not fields]  # deleted: nothing to serve
             if gone:
                 self.client.xack(queue, WORKER_GROUP, *gone)
-        published = self._published([_addressing(entry.fields) for entry in entries])
+        addresses = [addressing(entry.fields) for entry in entries]
+        published = self._published(addresses)
         return [
-            Claimed(
-                entry,
-                times[(entry.queue, entry.entry_id)] + 1,
-                published.get(_request_id(entry.fields)),
-            )
-            for entry in entries
+            Claimed(entry, times[entry.ref] + 1, published.get(address.request_id))
+            for entry, address in zip(entries, addresses, strict=True)
         ]
 
-    def _published(self, requests: Sequence[tuple[str, str]]) -> dict[str, list[ReplyMessage]]:
+    def _published(self, requests: Sequence[Addressing]) -> dict[str, list[ReplyMessage]]:
         """(request id, reply stream) -> the replies already published for each request, as
         published_history gives them (None: incomplete)."""
         streams = sorted({stream for _, stream in requests if stream})
@@ -597,7 +423,7 @@ class WorkerRedis:
         return {request_id: published_history(replies) for request_id, replies in found.items()}
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
-        fields = {**entry.fields, "entry_id": entry.entry_id, "reason": reason}
+        fields = dead_letter_fields(entry.fields, entry.entry_id, reason)
         stream = self.keys.dead_letters
         self.client.xadd(stream, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
 
@@ -629,20 +455,6 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _request_id(fields: Fields) -> str:
-    """The request id of an entry without validating the rest (the service decodes it)."""
-    return _addressing(fields)[0]
-
-
-def _addressing(fields: Fields) -> tuple[str, str]:
-    """(request id, reply stream) of an entry without validating the rest ("" when absent)."""
-    try:
-        message = json.loads(fields[b"m"])
-        return str(message["request_id"]), str(message.get("reply_to") or "")
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return "", ""
-
-
 def _entries(reply: object) -> list[Entry]:
     """XREAD/XREADGROUP reply -> its entries, each with its stream."""
     if isinstance(reply, dict):  # RESP3: {stream: [[(id, fields), ...]]}
@@ -652,19 +464,6 @@ def _entries(reply: object) -> list[Entry]:
     return [
         Entry(i.decode(), fields or {}, stream) for stream, batch in batches for i, fields in batch
     ]
-
-
-def entry_cost(fields: Fields) -> int:
-    """The tokens a request entry was charged for fair share (`c`; 0 when absent)."""
-    try:
-        return max(int(fields.get(b"c", 0)), 0)
-    except ValueError:
-        return 0
-
-
-def _field_map(flat: list[bytes]) -> Fields:
-    """A stream entry's fields as Lua returns them (flat) -> a dict."""
-    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _unless_no_group(results: list[object]) -> list[list[dict]]:

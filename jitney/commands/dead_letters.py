@@ -11,12 +11,18 @@ import argparse
 import json
 import time
 
+from jitney.flag_defaults import field_defaults
 from protocol import Keys, ProtocolError, RequestMessage, redacted, redis_url
+from protocol.queue import REASON_FIELD
 from protocol.redis_client import sync_client
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--key-prefix", default="jitney", help="Redis key prefix of the deployment")
+    p.add_argument(
+        "--key-prefix",
+        default=field_defaults(Keys)["prefix"],
+        help="Redis key prefix of the deployment",
+    )
     p.add_argument("--count", type=int, default=50, help="show at most this many, newest first")
     p.add_argument("--purge", action="store_true", help="delete them after listing")
 
@@ -39,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _row(entry_id: str, fields: dict[bytes, bytes]) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(int(entry_id.split("-")[0]) / 1000))
-    reason = fields.get(b"reason", b"").decode(errors="replace")
+    reason = fields.get(REASON_FIELD.encode(), b"").decode(errors="replace")
     try:
         msg = RequestMessage.decode(fields)
         max_tokens = json.dumps(msg.sampling.get("max_tokens"))

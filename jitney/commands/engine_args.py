@@ -5,18 +5,24 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from jitney.flag_defaults import field_defaults
 from scheduler import POLICIES
-from scheduler.config import SCHEDULER_DEFAULTS as SCHED
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    # Every default is EngineConfig's own field (its batching fields are SchedulerConfig's), so a
+    # bare Engine and `jitney worker` without flags cannot disagree. Imported here, not at the
+    # top: importing this module alone loads nothing of the engine.
+    from engine.config import DECODE_ATTENTION, MODEL_IMPLS, EngineConfig
+
+    engine = field_defaults(EngineConfig)
     g = p.add_argument_group("engine")
     g.add_argument(
         "--model",
-        default="smollm2-135m",
+        default=engine["model"],
         help="smollm2-135m (default), tiny-random, a Hugging Face model directory, a .gguf file, "
         "or real-size random weights: random:llama-3.2-1b, random:llama-3.1-8b, random:qwen3-8b "
         "(random:tiny = tiny-random); noop is NO MODEL (load testing only: meaningless tokens)",
@@ -24,39 +30,42 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--noop-step-ms",
         type=float,
-        default=0.0,
+        default=engine["noop_step_ms"],
         metavar="MS",
         help="--model noop only (LOAD TESTING, never production): the fake forward's duration",
     )
-    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    g.add_argument(
+        "--device", default=engine["device"], help="auto (cuda if available), cpu, cuda, cuda:N"
+    )
     g.add_argument(
         "--dtype",
-        default="auto",
+        default=engine["dtype"],
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on cuda, float32 on cpu",
     )
     g.add_argument(
         "--kv-cache-memory",
-        default=None,
+        default=engine["kv_cache_memory"],
         metavar="BYTES",
         help="KV cache budget, e.g. 2GiB (default: cpu 1GiB; cuda: free memory × "
         "--gpu-memory-utilization after loading the model)",
     )
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--batching", choices=sorted(POLICIES), default="continuous")
-    # Batching defaults are the scheduler's own (SchedulerConfig), not a copy.
-    g.add_argument("--max-num-seqs", type=int, default=SCHED.max_num_seqs, help="batch slots")
+    g.add_argument("--gpu-memory-utilization", type=float, default=engine["gpu_memory_utilization"])
+    g.add_argument(
+        "--block-size", type=int, default=engine["block_size"], help="tokens per KV block"
+    )
+    g.add_argument("--batching", choices=sorted(POLICIES), default=engine["batching"])
+    g.add_argument("--max-num-seqs", type=int, default=engine["max_num_seqs"], help="batch slots")
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=SCHED.max_num_batched_tokens,
+        default=engine["max_num_batched_tokens"],
         help="per-step token budget (decodes + prefill chunks)",
     )
     g.add_argument(
         "--max-queue-delay",
         type=float,
-        default=SCHED.max_queue_delay,
+        default=engine["max_queue_delay"],
         help="dynamic batching: seconds the oldest request may wait for a full batch",
     )
     g.add_argument(
@@ -67,14 +76,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-preemptions-per-seq",
         type=int,
-        default=SCHED.max_preemptions_per_seq,
+        default=engine["max_preemptions_per_seq"],
         metavar="N",
         help="a sequence preempted N times is spared as a victim while others can be preempted",
     )
     g.add_argument(
         "--max-model-len",
         type=int,
-        default=None,
+        default=engine["max_model_len"],
         help="context window (default: the model's, capped to the KV cache)",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -85,16 +94,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--decode-attention",
-        choices=("auto", "triton", "gather"),
-        default="auto",
+        choices=DECODE_ATTENTION,
+        default=engine["decode_attention"],
         help="decode attention: triton reads K/V in place (CUDA), gather copies blocks then "
         "runs SDPA (any device); auto: triton on CUDA where it runs, else gather",
     )
-    g.add_argument("--cache-dir", default=None, help="converted-model cache (JITNEY_CACHE_DIR)")
+    g.add_argument(
+        "--model-impl",
+        choices=MODEL_IMPLS,
+        default=engine["model_impl"],
+        help="which forward runs the model: jitney (its own, for the Llama family: Llama, "
+        "SmolLM2, Qwen2, Qwen3, Mistral), transformers (the reference), auto: jitney where the "
+        "architecture is covered, else transformers",
+    )
+    g.add_argument(
+        "--cache-dir", default=engine["cache_dir"], help="converted-model cache (JITNEY_CACHE_DIR)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
-    from engine.config import EngineConfig  # imported late: torch loads only when needed
+    from engine.config import EngineConfig
 
     fields = dict(
         model=args.model,
@@ -113,6 +132,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         decode_attention=args.decode_attention,
+        model_impl=args.model_impl,
         cache_dir=args.cache_dir,
         noop_step_ms=args.noop_step_ms,
     )

@@ -10,48 +10,54 @@ from urllib.parse import urlsplit
 from gateway.config import (
     ApiKey,
     GatewayConfig,
-    MiB,
     RateLimits,
     default_gateway_id,
     parse_api_keys,
 )
+from jitney.flag_defaults import field_defaults
 from protocol import redis_url
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    # Every default is GatewayConfig's (or RateLimits') own field: stated once, there.
+    config, limits = field_defaults(GatewayConfig), field_defaults(RateLimits)
+    p.add_argument("--host", default=config["host"])
+    p.add_argument("--port", type=int, default=config["port"])
     p.add_argument(
         "--gateway-id",
         default=None,
         help="names this gateway's reply stream "
         "(default: hostname-pid-random; must be unique per process)",
     )
-    p.add_argument("--key-prefix", default="jitney", help="Redis key prefix of the deployment")
-    p.add_argument("--max-body-bytes", type=int, default=MiB, help="larger bodies get 413")
+    p.add_argument(
+        "--key-prefix", default=config["key_prefix"], help="Redis key prefix of the deployment"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=config["max_body_bytes"], help="larger bodies get 413"
+    )
     p.add_argument(
         "--max-queue-len",
         type=int,
-        default=256,
+        default=config["max_queue_len"],
         help="429 while this many requests wait unread in the queue (all gateways)",
     )
     p.add_argument(
         "--max-queued-tokens",
         type=int,
-        default=262_144,
+        default=config["max_queued_tokens"],
         help="429 while this gateway has this many prompt tokens queued and not started",
     )
     p.add_argument(
         "--request-timeout",
         type=float,
-        default=None,
+        default=config["request_timeout"],
         metavar="SECONDS",
         help="deadline for a request to start; workers drop it as expired after (default: none)",
     )
     p.add_argument(
         "--chat-default-max-tokens",
         type=int,
-        default=512,
+        default=config["chat_default_max_tokens"],
         help="max_tokens of a chat request that gives none (capped to what fits the context)",
     )
     p.add_argument(
@@ -70,31 +76,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=None,
+        default=config["metrics_port"],
         help="serve /metrics only on this port, without auth (default: on --port, behind auth)",
     )
     p.add_argument(
         "--rate-limit-rps",
         type=float,
-        default=0.0,
+        default=limits["rps"],
         help="requests per second per API key (per client IP without keys); 0: off",
     )
     p.add_argument(
         "--rate-limit-burst",
         type=int,
-        default=0,
+        default=limits["burst"],
         help="requests a client may send at once (default: the rps, rounded up)",
     )
     p.add_argument(
         "--rate-limit-tpm",
         type=int,
-        default=0,
+        default=limits["tpm"],
         help="prompt + max_tokens per minute per API key (per client IP without keys); 0: off",
     )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=config["shutdown_timeout_s"],
         help="seconds a stopping gateway (SIGTERM) gives open requests to finish: /ready and new "
         "requests answer 503 meanwhile",
     )
@@ -107,32 +113,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-file-bytes",
         type=int,
-        default=100 * MiB,
+        default=config["max_file_bytes"],
         help="Batch API: largest upload to POST /v1/files (larger: 413)",
     )
     p.add_argument(
         "--batch-max-lines",
         type=int,
-        default=50_000,
+        default=config["batch_max_lines"],
         help="Batch API: most requests in one input file",
     )
     p.add_argument(
         "--batch-max-queued",
         type=int,
-        default=4,
+        default=config["batch_max_queued"],
         help="Batch API pacing: start a batch line only while fewer entries than this wait "
         "unread in the request queue (so interactive requests never wait behind many)",
     )
     p.add_argument(
         "--batch-concurrency",
         type=int,
-        default=64,
+        default=config["batch_concurrency"],
         help="Batch API: lines this gateway runs at once (0: it runs none)",
     )
     p.add_argument(
         "--batch-lease",
         type=float,
-        default=30.0,
+        default=config["batch_lease_s"],
         metavar="SECONDS",
         help="Batch API: a running line's lease (renewed); a dead gateway's lines run again "
         "elsewhere after it",
@@ -151,8 +157,9 @@ def load_api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.app import run as run_gateway  # aiohttp and the tokenizer stack load only here
-    from gateway.auth import RedactSecrets
+    # aiohttp and the tokenizer stack load only here
+    from gateway.http.auth import RedactSecrets
+    from gateway.http.server import run as run_gateway
 
     logging.basicConfig(
         level=args.log_level,

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.llm_engine import Engine
-    from protocol import SamplingParams
+    from generation import SamplingParams
 
     try:  # before the model loads: a bad value fails in a moment, not after it
         params = SamplingParams(

@@ -2,7 +2,9 @@
 
 It reads Redis directly (REDIS_URL, --key-prefix), like `jitney dead-letters`, through the
 gateway's own `LiveFeed`, so it shows exactly what `/ui/events` sends: an operator's tool that
-works with no gateway up, needs no API key, and adds no load to the gateways.
+works with no gateway up, needs no API key, and adds no load to the gateways. Without REDIS_URL
+it reads the private Redis of the `jitney up` running on this machine, found through the file
+that `up` leaves while it runs (jitney/commands/local_stack.py), else the default Redis.
 
 Each seat is one character: its colour is the phase, its height the tokens done of max_tokens
 (without colour, a letter per phase). `q` or Ctrl-C quits; `--once` prints one frame and exits.
@@ -23,8 +25,10 @@ import tty
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.backlog import ModelBacklogs
-from gateway.live_view import LiveFeed
+from gateway.http.live_view import LiveFeed
+from gateway.serving.backlog import ModelBacklogs
+from jitney.commands.local_stack import live_stacks
+from jitney.flag_defaults import field_defaults
 from protocol import Keys, ProtocolError, redacted, redis_url
 from protocol.redis_client import async_client
 from protocol.snapshot import SNAPSHOT_INTERVAL_S, BatchSnapshot, Seat
@@ -45,7 +49,11 @@ LIMITS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--key-prefix", default="jitney", help="Redis key prefix of the deployment")
+    p.add_argument(
+        "--key-prefix",
+        default=field_defaults(Keys)["prefix"],
+        help="Redis key prefix of the deployment",
+    )
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument(
         "--interval", type=float, default=SNAPSHOT_INTERVAL_S, help="seconds between refreshes"
@@ -60,21 +68,37 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def redis_to_read() -> str:
+    """REDIS_URL when set; else the private Redis of the one `jitney up` running here (several:
+    the user must choose); else the default Redis, as every other command."""
+    if os.environ.get("REDIS_URL"):
+        return redis_url()
+    stacks = live_stacks()
+    if len(stacks) > 1:
+        listed = "\n".join(
+            f"  REDIS_URL={s.redis_url}  (jitney up pid {s.pid}, gateway {s.gateway_url})"
+            for s in stacks
+        )
+        raise SystemExit(f"{len(stacks)} `jitney up` are running here; choose one:\n{listed}")
+    return stacks[0].redis_url if stacks else redis_url()
+
+
 async def _main(args: argparse.Namespace) -> int:
     keys = Keys(args.key_prefix)
-    client = async_client(redis_url(), 2, socket_timeout=5, socket_connect_timeout=5)
+    url = redis_to_read()
+    client = async_client(url, 2, socket_timeout=5, socket_connect_timeout=5)
     # A reading of the backlogs only: the bounds matter to admission, not here.
     feed = LiveFeed(client, keys, ModelBacklogs(client, keys).read)
     color = sys.stdout.isatty() and not args.no_color and "NO_COLOR" not in os.environ
     try:
         if args.once:
             frame = await feed.frame()
-            print("\n".join(render(frame, shutil.get_terminal_size().columns, color)))
+            print("\n".join(render(frame, shutil.get_terminal_size().columns, color, url)))
             return 1 if "error" in frame else 0
         with _screen() as keys_pressed:
             while True:
                 frame = await feed.frame()
-                lines = render(frame, shutil.get_terminal_size().columns, color)
+                lines = render(frame, shutil.get_terminal_size().columns, color, url)
                 lines[0] += f"  {DIM}(q quits){RESET}" if color else "  (q quits)"
                 # Home, each line cleared to its end, then the rest of the screen.
                 sys.stdout.write("\x1b[H" + "\x1b[K\n".join(lines) + "\x1b[K\n\x1b[J")
@@ -116,11 +140,12 @@ def _screen() -> Iterator[Any]:
             termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-def render(frame: dict[str, Any], width: int, color: bool) -> list[str]:
-    """One frame: a header, a line per worker, the legend."""
+def render(frame: dict[str, Any], width: int, color: bool, source: str | None = None) -> list[str]:
+    """One frame: a header (naming the Redis read: `source`, else REDIS_URL's), a line per
+    worker, the legend."""
     when = time.strftime("%H:%M:%S", time.localtime(frame["time"]))
     queue = frame.get("queue")
-    head = f"jitney top · {when} · {redacted(redis_url())}"
+    head = f"jitney top · {when} · {redacted(source or redis_url())}"
     if queue is not None:
         head += f" · queue lag {queue['lag']} · pending {queue['pending']}"
     if "error" in frame:

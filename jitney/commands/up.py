@@ -21,9 +21,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
+from gateway.config import GatewayConfig
 from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
+from jitney.commands.local_stack import LocalStack, published
+from jitney.commands.worker import METRICS_PORT
+from jitney.flag_defaults import field_defaults
+from launch.private_redis import die_with_parent, private_redis
 from protocol import redacted, redis_url
-from protocol.private_redis import die_with_parent, private_redis
 
 READY_TIMEOUT_S = 600  # the first start may convert the bundled GGUF model (about a minute)
 # A part that dies this many times within CRASH_WINDOW_S is crash-looping: stop everything.
@@ -34,11 +38,13 @@ CRASH_WINDOW_S = 60.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--host", default="127.0.0.1", help="gateway listen address")
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument(
+        "--port", type=int, default=field_defaults(GatewayConfig)["port"], help="gateway port"
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=9100,
+        default=METRICS_PORT,
         help="first worker's metrics port (worker i uses this + i)",
     )
     add_engine_arguments(p)
@@ -155,10 +161,14 @@ def _run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         external = os.environ.get("REDIS_URL")
         url = external or stack.enter_context(private_redis())
+        host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
+        base = f"http://{host}:{args.port}"
         if external:
             print(f"using Redis at {redacted(redis_url())}")
         else:
             print(f"started a private redis-server at {url}")
+            # So `jitney top` beside us, without REDIS_URL, reads this Redis.
+            stack.enter_context(published(LocalStack(os.getpid(), url, base)))
         # `up` turns its own options into the children's flags; its JITNEY_* variables must not
         # reach them too (JITNEY_METRICS_PORT would make the gateway bind worker 0's port).
         own = {f"JITNEY_{name.upper()}" for name in vars(args)}
@@ -179,8 +189,6 @@ def _run(args: argparse.Namespace) -> int:
         ]
         gateway = Part("gateway", ["gateway", "--host", args.host, "--port", str(args.port)], env)
         parts = stack.enter_context(running([*workers, gateway]))
-        host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
-        base = f"http://{host}:{args.port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _ready(base):
             if any(part.exited for part in parts):

@@ -15,10 +15,13 @@ import socket
 import sys
 
 from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
+from jitney.flag_defaults import field_defaults
+from protocol import Keys
 
 logger = logging.getLogger("jitney.worker")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+METRICS_PORT = 9100  # `jitney up` gives worker i this + i
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,10 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="this worker's consumer name in the group (default: <hostname>-<pid>)",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=9100, help="/metrics port; 0 picks a free one (logged)"
+        "--metrics-port",
+        type=int,
+        default=METRICS_PORT,
+        help="/metrics port; 0 picks a free one (logged)",
     )
     p.add_argument(
-        "--key-prefix", default="jitney", help="Redis key prefix (deployments can share a Redis)"
+        "--key-prefix",
+        default=field_defaults(Keys)["prefix"],
+        help="Redis key prefix (deployments can share a Redis)",
     )
     p.add_argument(
         "--served-model-name",
@@ -75,12 +83,13 @@ def run(args: argparse.Namespace) -> int:
     # Our own events at the chosen level; libraries (redis-py, transformers) only warn.
     logging.getLogger("jitney").setLevel(args.log_level.upper())
     from engine.llm_engine import Engine
-    from protocol import NOOP_MODEL, Keys, redacted, redis_url
+    from protocol import NOOP_MODEL, redacted, redis_url
     from protocol.model_card import card_from_tokenizer
+    from worker.engine_loop import ServiceConfig, StepFailuresExceeded, WorkerService
     from worker.failpoints import Failpoints
+    from worker.log_fields import kv
     from worker.metrics import WorkerMetrics
     from worker.redis_io import WorkerRedis
-    from worker.service import ServiceConfig, StepFailuresExceeded, WorkerService, kv
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     try:

@@ -79,6 +79,23 @@ class BatchingPolicy(ABC):
         """No more requests will arrive (offline runs). Only a policy that waits for a full
         batch has anything to do with this."""
 
+    # Static/dynamic batching: a batch runs to completion before the next is admitted, and
+    # every request reserves prompt + max_tokens at admission. Continuous batching says False.
+    runs_to_completion: bool = True
+
+    def preemptible_priority(self) -> int | None:
+        """The priority a more urgent new request would preempt for: the least urgent holding
+        a slot. None when the policy never preempts for a newcomer (a batch runs to
+        completion), when nothing runs, or when a waiting request is already more urgent than
+        it (the next steps preempt for that one first). A pass over the running sequences."""
+        holders = self.slot_holders()
+        if not holders or self.runs_to_completion:
+            return None
+        least_urgent = max(seq.priority for seq in holders)
+        if self.waiting and self.waiting.peek().priority < least_urgent:
+            return None
+        return least_urgent
+
     def slot_holders(self) -> list[Sequence]:
         """Sequences occupying a batch slot right now."""
         return list(self.running)

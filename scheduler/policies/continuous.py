@@ -33,6 +33,7 @@ logger = logging.getLogger("jitney.scheduler")
 
 class ContinuousBatching(BatchingPolicy):
     name = "continuous"
+    runs_to_completion = False  # admits and preempts at every step
 
     def __init__(self, config: SchedulerConfig, kv: KVBlockManager):
         super().__init__(config, kv)

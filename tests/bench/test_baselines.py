@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 from bench.baselines import NO_EOS, RunResult, best_hf_cb, run_hf_cb, run_hf_generate
 from bench.trace import TraceRequest, load_trace, percentile
-from engine.model_loader import LoadedModel, load_model
+from engine.models.model_loader import LoadedModel, load_model
 
 # Small enough that every candidate run takes well under a second on the tiny model.
 SMALL_CB = {"max_batch_tokens": 16, "max_requests_per_batch": 2, "page_size": 8}

@@ -87,7 +87,7 @@ def test_the_served_step_gives_the_same_tokens_without_text(tiny_trace):
     from bench.offline import run_jitney
     from bench.trace import load_trace
     from engine.config import EngineConfig
-    from engine.model_loader import load_model
+    from engine.models.model_loader import load_model
 
     config = EngineConfig(model="tiny-random", kv_cache_memory="16MiB")
     loaded, requests = load_model("tiny-random"), load_trace(str(tiny_trace), None)

@@ -11,7 +11,7 @@ from bench.zero_overhead import (
     run_zero_overhead,
     sampled_sizes,
 )
-from engine.model_loader import load_model
+from engine.models.model_loader import load_model
 
 
 def trace(*output_lens: int, prompt_len: int = 5) -> list[TraceRequest]:

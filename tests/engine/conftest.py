@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.model_loader import LoadedModel, load_model
+from engine.models.model_loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="module")

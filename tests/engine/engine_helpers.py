@@ -15,7 +15,7 @@ from bench.parity import (  # noqa: F401  (re-exported for the tests)
 )
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.model_loader import LoadedModel
+from engine.models.model_loader import LoadedModel
 
 
 def chat(loaded: LoadedModel, text: str) -> list[int]:

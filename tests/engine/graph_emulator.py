@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from engine.triton_decode import paged_decode_attention
+from engine.attention.triton_decode import paged_decode_attention
 
 aten = torch.ops.aten
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from protocol import SamplingParams
+from generation import SamplingParams
 from tests.engine.engine_helpers import make_engine
 
 PROMPT = list(range(5, 47))  # 42 tokens: 10 full blocks of 4 and a partial one
@@ -32,9 +32,9 @@ def test_greedy_choices_are_identical_and_the_prompt_blocks_are_allocated_once(l
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=4)
     engine.add_request("r", PROMPT, params)
     outputs = engine.step()  # choice 0 prefills the prompt alone and samples its first token
-    assert engine.num_running == 1 and engine.num_waiting == 3
+    assert engine.view.num_running == 1 and engine.view.num_waiting == 3
     outputs += engine.step()  # the other three join: their full prompt blocks are choice 0's
-    tables = [bm.block_table(seq_id) for seq_id in engine.choices["r"]]
+    tables = [bm.block_table(seq_id) for seq_id in engine.choices.by_request["r"]]
     assert len(tables) == 4
     shared = tables[0][: len(PROMPT) // 4]
     assert all(t[: len(shared)] == shared for t in tables)
@@ -45,7 +45,7 @@ def test_greedy_choices_are_identical_and_the_prompt_blocks_are_allocated_once(l
     assert sorted(tokens) == [0, 1, 2, 3]
     assert all(tokens[i] == tokens[0] and len(tokens[i]) == 8 for i in tokens)
     assert all(f.finish_reason == "length" and f.num_output_tokens == 8 for f in finals.values())
-    assert bm.num_used_blocks == 0 and not engine.choices
+    assert bm.num_used_blocks == 0 and not engine.choices.by_request
     bm.check_integrity()
 
 
@@ -74,7 +74,7 @@ def test_one_choice_aborted_the_others_go_on(loaded):
     assert running.index == 0 and running.finish_reason == "abort"
     _, finals = run(engine)
     assert list(finals) == [1] and finals[1].finish_reason == "length"
-    assert engine.block_manager.num_used_blocks == 0 and not engine.choices
+    assert engine.view.kv_used_blocks == 0 and not engine.choices.by_request
 
 
 def test_aborting_the_request_ends_every_choice(loaded):
@@ -83,7 +83,7 @@ def test_aborting_the_request_ends_every_choice(loaded):
     engine.step()
     finals = engine.abort("r")
     assert sorted(f.index for f in finals) == [0, 1, 2]
-    assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished() and engine.view.kv_used_blocks == 0
 
 
 def test_a_taken_over_request_resumes_only_its_unfinished_choices(loaded):
@@ -110,5 +110,5 @@ def test_choices_under_preemption_finish_with_their_own_tokens(loaded):
     tight = make_engine(loaded, block_size=4, kv_cache_memory=str(30 * 2048), max_num_seqs=8)
     tight.add_request("r", PROMPT, params)
     got, _ = run(tight)
-    assert tight.policy.stats.num_preemptions_total > 0
+    assert tight.stats.num_preemptions_total > 0
     assert got == want

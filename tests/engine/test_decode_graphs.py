@@ -1,7 +1,7 @@
-"""Decode-only steps at padded, fixed shapes (engine/decode_graphs.py). On CUDA they replay as
-CUDA graphs; here the same padded path runs without capture, and must give what the eager path
-gives under joins, chunked prefill and preemption, without touching any real block through its
-padding rows."""
+"""Decode-only steps at padded, fixed shapes (engine/runner/decode_graphs.py). On CUDA they
+replay as CUDA graphs; here the same padded path runs without capture, and must give what the
+eager path gives under joins, chunked prefill and preemption, without touching any real block
+through its padding rows."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import random
 import pytest
 import torch
 
-from engine.decode_graphs import (
+from engine.kv_cache import KVCacheSpec
+from engine.llm_engine import Engine
+from engine.models.model_loader import load_model
+from engine.runner.decode_graphs import (
     batch_buckets,
     decode_read_bytes,
     graph_reserved_bytes,
     width_bucket,
 )
-from engine.kv_cache import KVCacheSpec
-from engine.llm_engine import Engine
-from engine.model_loader import load_model
-from protocol.sampling import SamplingParams
+from generation.sampling_params import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine
 from tests.engine.graph_emulator import EmulatedGraphCapture
 
@@ -105,7 +105,7 @@ def test_padded_decode_steps_give_the_eager_tokens_under_joins_chunks_and_preemp
     eager, padded = _run(eager_engine, requests), _run(padded_engine, requests)
     graphs = padded_engine.runner.graphs
     assert graphs is not None and graphs.num_steps > 50  # most steps took the padded path
-    assert padded_engine.policy.stats.num_preemptions_total > 0  # the small pool preempted
+    assert padded_engine.stats.num_preemptions_total > 0  # the small pool preempted
     for i, (prompt, _) in enumerate(requests):
         assert_greedy_parity(ref, prompt, padded[str(i)], eager[str(i)])
     padded_engine.block_manager.check_integrity()
@@ -126,7 +126,7 @@ def test_emulated_graphs_give_the_eager_tokens_under_joins_chunks_and_preemption
     # Every graph's logits are rows of one shared buffer, not an allocation per graph.
     shared = {entry.logits.untyped_storage().data_ptr() for entry in graphs.graphs.values()}
     assert len(shared) == 1
-    assert graphed_engine.policy.stats.num_preemptions_total > 0
+    assert graphed_engine.stats.num_preemptions_total > 0
     for i, (prompt, _) in enumerate(requests):
         assert_greedy_parity(ref, prompt, graphed[str(i)], eager[str(i)])
     graphed_engine.block_manager.check_integrity()
@@ -136,7 +136,7 @@ def test_padding_rows_write_only_the_scratch_block_outside_the_pool():
     engine = _engine(True)
     graphs = engine.runner.graphs
     assert graphs is not None
-    assert graphs.scratch_block == engine.block_manager.num_blocks == engine.kv_cache.num_blocks - 1
+    assert graphs.scratch_block == engine.view.kv_total_blocks == engine.kv_cache.num_blocks - 1
     engine.kv_cache._storage.fill_(7.0)  # a sentinel any write changes (token 0 embeds to 0)
     before = engine.kv_cache._storage.clone()
     engine.add_request("a", [9, 10, 11], SamplingParams(max_tokens=3, temperature=0))

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.model_loader import load_model
-from engine.tiny_model import build_tiny_tokenizer
-from protocol.detokenizer import IncrementalDetokenizer
+from engine.models.model_loader import load_model
+from engine.models.tiny_model import build_tiny_tokenizer
+from generation.detokenizer import IncrementalDetokenizer
 
 TOKENIZER = build_tiny_tokenizer()
 PROMPT = TOKENIZER.encode("hello")

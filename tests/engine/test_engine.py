@@ -6,8 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.llm_engine import Engine, RequestTooLongError
-from protocol import SamplingParams
+from engine.errors import RequestTooLongError
+from engine.llm_engine import Engine
+from generation import SamplingParams
 from tests.engine.engine_helpers import (
     assert_greedy_parity,
     make_engine,
@@ -40,7 +41,7 @@ def run_staggered(
         step += 1
         assert step < 5000
     engine.block_manager.check_integrity()
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0
     return tokens
 
 
@@ -99,7 +100,7 @@ def test_forced_preemption_matches_generate(loaded, ref, reserve):
         reserve_full_length=reserve,
     )
     tokens = run_staggered(engine, requests)
-    preemptions = engine.policy.stats.num_preemptions_total
+    preemptions = engine.stats.num_preemptions_total
     assert (preemptions == 0) if reserve else (preemptions > 0)
     check_all(ref, requests, tokens)
 
@@ -114,7 +115,7 @@ def test_static_and_dynamic_batching_match_generate(loaded, ref, batching):
     results = engine.generate(prompts, [greedy(n) for n in lengths])
     for prompt, n, res in zip(prompts, lengths, results, strict=True):
         assert_greedy_parity(ref, prompt, res.token_ids, reference_greedy(ref, prompt, n))
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0
 
 
 def test_same_seed_same_output_whatever_the_batch(loaded):
@@ -152,8 +153,8 @@ def test_seeded_request_draws_the_same_tokens_after_preemption(loaded):
     engine.add_request("seeded", prompt, params)  # the newest: preempted first
     tokens, preemptions = [], 0
     while engine.has_unfinished():
-        if "seeded" in engine.requests:
-            preemptions = engine.requests["seeded"].seq.num_preemptions
+        if "seeded" in engine.choices.by_seq:
+            preemptions = engine.choices.by_seq["seeded"].seq.num_preemptions
         tokens += [
             t for out in engine.step() if out.request_id == "seeded" for t in out.new_token_ids
         ]
@@ -168,11 +169,11 @@ def test_abort_mid_generation_frees_every_block(loaded):
     engine.add_request("b", list(range(5, 25)), greedy(50))
     for _ in range(5):
         engine.step()
-    assert engine.block_manager.num_used_blocks > 0
+    assert engine.view.kv_used_blocks > 0
     [out] = engine.abort("a")
     assert out.finished and out.finish_reason == "abort" and out.num_output_tokens == 5
     engine.abort("b")
-    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+    assert engine.view.kv_used_blocks == 0 and not engine.has_unfinished()
     engine.block_manager.check_integrity()
     assert engine.abort("a") == []
 
@@ -239,7 +240,7 @@ def test_abort_under_static_batching_still_finishes_batch_mates(loaded):
     assert [o.finish_reason for o in engine.abort("long")] == ["abort"]
     finals = [o for o in engine.step() if o.finished]
     assert [(o.request_id, o.finish_reason) for o in finals] == [("short", "length")]
-    assert not engine.has_unfinished() and not engine.requests
+    assert not engine.has_unfinished() and not engine.choices.by_seq
 
 
 def run_one(engine: Engine, prompt: list[int], params: SamplingParams, **kw) -> tuple[list, list]:
@@ -251,7 +252,7 @@ def run_one(engine: Engine, prompt: list[int], params: SamplingParams, **kw) -> 
             assert len(out.new_token_ids) == 1
             tokens += out.new_token_ids
             deltas.append(out.delta_text)
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0
     return tokens, deltas
 
 

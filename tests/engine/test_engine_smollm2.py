@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.model_loader import load_model
-from protocol import SamplingParams
+from engine.models.model_loader import load_model
+from generation import SamplingParams
 from tests.engine.engine_helpers import (
     assert_greedy_parity,
     chat,
@@ -32,7 +32,7 @@ def test_chat_prompt_gets_a_sensible_answer(smollm2):
     assert "Paris" in results[0].text
     assert results[0].finish_reason == "stop"  # the model ended its turn by itself
     assert "4" in results[1].text
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0
 
 
 def test_greedy_matches_transformers_generate(smollm2):

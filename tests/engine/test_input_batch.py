@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.input_batch import InputBatch
-from engine.model_loader import load_model
-from protocol import SamplingParams
+from engine.models.model_loader import load_model
+from engine.runner.input_batch import InputBatch
+from generation import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
 
 
@@ -64,7 +64,7 @@ def test_engine_with_a_one_row_table_matches_generate(loaded) -> None:
     prompts = [[3 + (i * 37 + j * 11) % 250 for j in range(5 + 4 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     results = engine.generate(prompts, params)
-    assert engine.policy.stats.num_preemptions_total > 0  # the pool is too small for all four
+    assert engine.stats.num_preemptions_total > 0  # the pool is too small for all four
     for prompt, result in zip(prompts, results, strict=True):
         want = reference_greedy(ref, prompt, 14)
         assert_greedy_parity(ref, prompt, result.token_ids, want)

@@ -9,12 +9,20 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import Engine
 from engine.memory_profile import largest_step_layout, step_peak_bytes
-from engine.model_loader import LoadedModel, load_model
+from engine.models.forward import ModelForward
+from engine.models.model_loader import LoadedModel, load_model
+from engine.runner.model_runner import model_forward_for
+
+CPU = torch.device("cpu")
 
 
 def _spec(loaded: LoadedModel) -> KVCacheSpec:
     model = loaded.model
     return KVCacheSpec(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype, 16)
+
+
+def _forward(loaded: LoadedModel) -> ModelForward:
+    return model_forward_for(loaded.model)
 
 
 @pytest.mark.parametrize(("tokens", "seqs"), [(512, 64), (40, 4), (3, 8), (1, 1)])
@@ -31,13 +39,13 @@ def test_the_dummy_step_runs_on_the_cpu_and_reports_no_peak():
     """Off CUDA there are no allocator statistics, but the step still runs (its shapes, the
     engine's attention and the sampler's top-p path are exercised before any GPU sees them)."""
     loaded = load_model("tiny-random")
-    assert step_peak_bytes(loaded.model, _spec(loaded), 512, 64) is None
+    assert step_peak_bytes(_forward(loaded), CPU, _spec(loaded), 512, 64) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_peak_is_measured_and_the_cache_takes_the_rest():
     loaded = load_model("tiny-random", "cuda")
-    peak = step_peak_bytes(loaded.model, _spec(loaded), 2048, 256)
+    peak = step_peak_bytes(_forward(loaded), loaded.model.device, _spec(loaded), 2048, 256)
     assert peak is not None and 0 < peak < torch.cuda.get_device_properties(0).total_memory
     engine = Engine(EngineConfig(model="tiny-random", device="cuda"), loaded=loaded)
     total = torch.cuda.get_device_properties(0).total_memory

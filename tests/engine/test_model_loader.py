@@ -7,7 +7,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.model_loader import LoadedModel, _gguf_cache_key, load_model
+from engine.models.model_loader import LoadedModel, _gguf_cache_key, load_model
 
 PROMPT_IDS = torch.tensor([[1, 40, 41, 42, 100, 200, 2]])
 

@@ -7,9 +7,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.noop_model import NOOP
-from engine.tiny_model import SPECIAL_TOKENS
-from protocol import SamplingParams
+from engine.models.noop_model import NOOP
+from engine.models.tiny_model import SPECIAL_TOKENS
+from generation import SamplingParams
 
 
 def engine(step_ms: float = 0.0, **config: object) -> Engine:
@@ -37,9 +37,9 @@ def test_a_step_takes_the_configured_time_and_kv_is_accounted():
         e.step()
         steps += 1
         if steps == 2:
-            assert e.block_manager.num_used_blocks == 1
+            assert e.view.kv_used_blocks == 1
     assert steps == 5 and time.perf_counter() - start >= 5 * 0.020
-    assert e.block_manager.num_used_blocks == 0
+    assert e.view.kv_used_blocks == 0
 
 
 def test_a_named_stop_token_ends_it_and_a_negative_step_is_refused():

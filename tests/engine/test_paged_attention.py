@@ -21,14 +21,11 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from engine import paged_attention
+from engine.attention import paged_attention, step_inputs
+from engine.attention.paged_attention import use_paged_attention
+from engine.attention.step_inputs import AttentionMetadata, group_decodes
 from engine.kv_cache import KVCacheSpec, PagedKVCache, parse_bytes
-from engine.paged_attention import (
-    AttentionMetadata,
-    group_decodes,
-    model_forward,
-    use_paged_attention,
-)
+from engine.models.forward import model_forward
 
 TOL = 1e-4
 TINY = dict(
@@ -182,7 +179,7 @@ def test_group_decodes_splits_where_padding_would_cost_more_than_a_group() -> No
 def test_decodes_of_very_different_lengths_match_each_alone(family, overrides, monkeypatch) -> None:
     """Decode sequences of contexts 5..500 form several groups (each padded to its own longest
     context, with masks where lengths differ): logits still equal each sequence alone."""
-    monkeypatch.setattr(paged_attention, "DECODE_GROUP_COST_TOKENS", 512)
+    monkeypatch.setattr(step_inputs, "DECODE_GROUP_COST_TOKENS", 512)
     ref, paged = make_models(family, **overrides)
     cache, pool = make_cache(paged.config, block_size=4, num_blocks=256), BlockPool(256, seed=5)
     lengths = [300, 5, 500, 30, 29]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.llm_engine import CompletedRequest
-from engine.model_loader import LoadedModel, load_model
+from engine.models.model_loader import LoadedModel, load_model
+from engine.outputs import CompletedRequest
 from tests.engine.engine_helpers import (
     assert_greedy_parity,
     next_token_logprobs,

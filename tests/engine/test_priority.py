@@ -3,7 +3,7 @@ one for a slot, starts at the next step, and every output keeps greedy parity.""
 
 import random
 
-from protocol import SamplingParams
+from generation import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
 
 
@@ -32,16 +32,16 @@ def test_urgent_request_preempts_a_slot_and_every_output_keeps_parity(loaded, re
     for _ in range(3):
         step()
     engine.add_request("hi", prompts["hi"], greedy(lengths["hi"]), priority=0)
-    assert engine.requests["hi"].seq.priority == 0
+    assert engine.choices.by_seq["hi"].seq.priority == 0
     produced = step()
-    assert "hi" in produced and engine.first_scheduled_time("hi") is not None
-    assert engine.requests["lo1"].seq.num_preemptions == 1  # the newer of the two
-    assert engine.requests["lo0"].seq.num_preemptions == 0
+    assert "hi" in produced and engine.view.first_scheduled_time("hi") is not None
+    assert engine.choices.by_seq["lo1"].seq.num_preemptions == 1  # the newer of the two
+    assert engine.choices.by_seq["lo0"].seq.num_preemptions == 0
     assert engine.stats.num_preemptions_total == 1
     while engine.has_unfinished():
         step()
     engine.block_manager.check_integrity()
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0
     for name, prompt in prompts.items():
         assert len(tokens[name]) == lengths[name]
         want = reference_greedy(ref, prompt, lengths[name])
@@ -52,4 +52,5 @@ def test_every_choice_carries_the_priority(loaded):
     engine = make_engine(loaded, kv_cache_memory="8MiB")
     params = SamplingParams(max_tokens=2, temperature=0.5, seed=1, n=3, ignore_eos=True)
     engine.add_request("r", [5, 6, 7, 8], params, priority=-3)
-    assert [engine.requests[i].seq.priority for i in engine.choices["r"]] == [-3, -3, -3]
+    choices = engine.choices
+    assert [choices.by_seq[i].seq.priority for i in choices.by_request["r"]] == [-3, -3, -3]

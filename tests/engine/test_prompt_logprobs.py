@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from protocol import SamplingParams
+from generation import SamplingParams
 from tests.engine.engine_helpers import make_engine, next_token_logprobs
 
 
@@ -56,7 +56,7 @@ def test_prompt_logprobs_survive_preemption_and_come_once(loaded, ref):
                 seen[out.request_id] = seen.get(out.request_id, 0) + 1
                 assert out.new_token_ids  # with the first token
                 collected[out.request_id] = out.prompt_logprobs
-    assert engine.policy.stats.num_preemptions_total > 0
+    assert engine.stats.num_preemptions_total > 0
     assert seen == {f"r{i}": 1 for i in range(5)}
     for i, prompt in enumerate(prompts):
         assert_matches_reference(ref, prompt, collected[f"r{i}"], 1)

@@ -14,16 +14,17 @@ from functools import partial
 import pytest
 import torch
 
-from engine import paged_attention, random_models
-from engine.model_loader import LoadedModel, load_model
-from engine.random_models import (
+from engine.attention import paged_attention
+from engine.models import random_models
+from engine.models.model_loader import LoadedModel, load_model
+from engine.models.random_models import (
     RANDOM_MODELS,
     build_random_model,
     build_random_tokenizer,
     count_parameters,
     random_model_config,
 )
-from protocol.sampling import SamplingParams
+from generation.sampling_params import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine, reference_greedy
 from tests.engine.graph_emulator import EmulatedGraphCapture, kernel_as_op
 
@@ -173,7 +174,7 @@ def test_engine_greedy_matches_transformers_generate(name):
     if not RANDOM_MODELS[name].published["tie_word_embeddings"]:
         # (Tied random embeddings make greedy repeat the last token: x · x dominates the logits.)
         assert len(set(results[0].token_ids)) > 1
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0
 
 
 @pytest.mark.parametrize(

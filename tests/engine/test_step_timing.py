@@ -6,7 +6,7 @@ import time
 import pytest
 
 from engine.step_timing import PHASES, StepTiming
-from protocol import SamplingParams
+from generation import SamplingParams
 from tests.engine.engine_helpers import make_engine
 
 
@@ -69,8 +69,8 @@ def test_reset_logs_a_failed_abort_and_rebuilds_a_usable_engine(loaded, caplog):
     assert len(failed) == 1 and "request=lost" in failed[0].getMessage()
     assert failed[0].exc_info is not None and failed[0].exc_info[0] is ValueError
     assert any("engine state rebuilt" in r.getMessage() for r in caplog.records)
-    assert not engine.requests and not engine.has_unfinished()
-    assert engine.block_manager.num_used_blocks == 0
+    assert not engine.choices.by_seq and not engine.has_unfinished()
+    assert engine.view.kv_used_blocks == 0
 
     out = engine.generate([[9, 10, 11]], greedy(3))
     assert len(out[0].token_ids) == 3

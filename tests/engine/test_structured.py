@@ -8,9 +8,9 @@ import jsonschema
 import llguidance
 import pytest
 
-from engine.model_loader import load_model
-from engine.structured import GrammarError
-from protocol import SamplingParams
+from engine.errors import GrammarError
+from engine.models.model_loader import load_model
+from generation import SamplingParams
 from tests.engine.engine_helpers import make_engine
 
 
@@ -62,7 +62,7 @@ def test_sampled_outputs_follow_the_schema_beside_free_rows(engine):
             jsonschema.validate(json.loads(result.text), PERSON)
         else:
             assert result.token_ids == alone[i // 2].token_ids
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0
 
 
 def test_regex_choice_and_greedy(engine):

@@ -8,9 +8,9 @@ import random
 import jsonschema
 import pytest
 
-from engine.model_loader import load_model
-from protocol import SamplingParams
-from protocol.grammar import json_schema
+from engine.models.model_loader import load_model
+from generation import SamplingParams
+from generation.grammar import json_schema
 from tests.engine.engine_helpers import chat, make_engine
 
 
@@ -174,4 +174,4 @@ def test_fifty_schemas_always_parse_and_validate(smollm2):
     for (question, schema), result in zip(cases, results, strict=True):
         assert result.finish_reason == "stop", (question, result.text)
         jsonschema.validate(json.loads(result.text), schema)
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.view.kv_used_blocks == 0

@@ -1,6 +1,6 @@
-"""The Triton decode kernel (engine/triton_decode.py), run here under Triton's CPU interpreter
-(tests/conftest.py sets TRITON_INTERPRET=1): the attention of each row over its own blocks, the
-engine's tokens through it, its capture as a graph, and when the engine picks it."""
+"""The Triton decode kernel (engine/attention/triton_decode.py), run here under Triton's CPU
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1): the attention of each row over its own
+blocks, the engine's tokens through it, its capture as a graph, and when the engine picks it."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import paged_attention
-from engine.config import EngineConfig
-from engine.llm_engine import Engine
-from engine.model_loader import load_model
-from engine.triton_decode import (
+from engine.attention import paged_attention
+from engine.attention.triton_decode import (
     DecodeShape,
     paged_decode_attention,
     resolve_decode_attention,
     self_check,
 )
-from protocol.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import Engine
+from engine.models.model_loader import load_model
+from generation.sampling_params import SamplingParams
 from tests.engine.engine_helpers import assert_greedy_parity, make_engine
 from tests.engine.graph_emulator import EmulatedGraphCapture, kernel_as_op
 
@@ -117,7 +117,7 @@ def test_the_engine_gives_the_gather_paths_tokens_eagerly_and_as_graphs(ref, mon
     requests = _requests(3)
     gather = _engine("gather")
     want = _run(gather, requests)
-    assert gather.policy.stats.num_preemptions_total > 0
+    assert gather.stats.num_preemptions_total > 0
     kernel = _engine("triton")
     assert kernel.kv_cache.decode_kernel
     for prompt, got, expected in zip(requests, _run(kernel, requests), want, strict=True):

@@ -11,9 +11,9 @@ import redis
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import PreTrainedTokenizerFast
 
-from engine.tiny_model import build_tiny_tokenizer
-from gateway.app import make_app
+from engine.models.tiny_model import build_tiny_tokenizer
 from gateway.config import GatewayConfig
+from gateway.http.app import make_app
 from protocol import ModelCard
 from protocol.model_card import card_from_tokenizer
 from tests.gateway.helpers import (

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from engine.tiny_model import build_tiny_tokenizer
+from engine.models.tiny_model import build_tiny_tokenizer
 from protocol import HEARTBEAT_INTERVAL_S, Keys, ModelCard, ReplyMessage, RequestMessage
 from tests.services import JitneyProcess, RedisServer, free_port, wait_for
 from worker.redis_io import EntryRef, Outbox, WorkerRedis

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from gateway.auth import RedactSecrets
 from gateway.config import ApiKey, GatewayConfig, RateLimits, parse_api_keys
+from gateway.http.auth import RedactSecrets
 from tests.gateway.helpers import (
     LiveGateway,
     MakeClient,

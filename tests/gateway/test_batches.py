@@ -14,12 +14,12 @@ import redis
 from aiohttp import FormData
 from aiohttp.test_utils import TestClient
 
-from gateway import batch_runner
-from gateway.app import BATCH_RUNNER
-from gateway.batch_finalize import finalize, result_line
-from gateway.batch_store import BatchStore
+from gateway.batch import line_runner
+from gateway.batch.batch_store import BatchStore
+from gateway.batch.file_store import FileStore
+from gateway.batch.finalize import finalize, result_line
 from gateway.config import GatewayConfig
-from gateway.file_store import FileStore
+from gateway.http.app import BATCH_RUNNER
 from protocol import BATCH_PRIORITY, WORKER_GROUP
 from tests.gateway.helpers import (
     KEYS,
@@ -449,7 +449,7 @@ async def test_an_unexpected_error_answers_the_line_500_not_forever(
     async def broken(*args: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(batch_runner, "prepare", broken)
+    monkeypatch.setattr(line_runner, "prepare", broken)
     client = await make_client(**FAST)
     batch = await create_batch(client, jsonl(line("a")))
     done = await wait_status(client, batch["id"], "completed")

@@ -19,7 +19,7 @@ from tests.services import JitneyProcess, RedisServer, free_port, http_status, w
 NO_TORCH_SCRIPT = """
 import sys
 from tokenizers import Tokenizer, models
-from gateway.app import make_app
+from gateway.http.app import make_app
 from gateway.config import GatewayConfig
 from jitney.commands import gateway as command
 from protocol.model_card import tokenizer_from_card

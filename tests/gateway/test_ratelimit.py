@@ -13,11 +13,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.auth import Client
 from gateway.config import RateLimits
-from gateway.errors import ApiError
-from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import RateLimiter
+from gateway.http.auth import Client
+from gateway.http.ratelimit import RateLimiter
+from gateway.openai.errors import ApiError
+from gateway.serving.gateway_metrics import GatewayMetrics
 from tests.gateway.helpers import (
     KEYS,
     REQUESTS,

@@ -13,9 +13,10 @@ from aiohttp.test_utils import TestClient
 from llguidance import LLMatcher, LLTokenizer
 from transformers import PreTrainedTokenizerFast
 
-from gateway.errors import ApiError
-from gateway.structured import parse_grammar
-from protocol import grammar as g
+from gateway.openai.errors import ApiError
+from gateway.openai.structured_outputs import Grammar, OutputFormatFields
+from gateway.openai.validation import validate
+from generation import grammar as g
 from tests.gateway.helpers import REQUESTS, FakeWorker, assert_openai_error
 
 Client = TestClient[Any, Any]
@@ -25,6 +26,11 @@ SCHEMA = {
     "required": ["city", "days"],
     "additionalProperties": False,
 }
+
+
+def parse_grammar(fields: dict[str, Any]) -> Grammar | None:
+    """The output-format fields of a request alone, validated as the request's are."""
+    return validate(OutputFormatFields, fields).grammar
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,12 @@ import pytest
 from llguidance import LLMatcher
 from transformers import PreTrainedTokenizerFast
 
-from gateway.errors import ApiError
-from gateway.schema import parse_chat
-from gateway.tool_parser import ToolCall, ToolStream, parse_output
-from gateway.tools import SYSTEM_PROMPT, ToolConfig, chat_input, parse_tools
-from protocol import grammar as g
+from gateway.openai.errors import ApiError
+from gateway.openai.request_models import parse_chat
+from gateway.openai.tool_parser import ToolCall, ToolStream, parse_output
+from gateway.openai.tools import SYSTEM_PROMPT, ToolConfig, ToolFields, chat_input
+from gateway.openai.validation import validate
+from generation import grammar as g
 
 WEATHER = {
     "type": "function",
@@ -32,6 +33,11 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
 NAMES = frozenset({"get_weather", "get_time"})
 USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def parse_tools(fields: dict[str, Any]) -> ToolConfig | None:
+    """The tool fields of a chat request alone, validated as the request's are."""
+    return validate(ToolFields, fields).tool_config
 
 
 def config(**fields: Any) -> ToolConfig:
@@ -160,7 +166,9 @@ def test_a_template_without_tools_gets_them_as_text(tokenizer: PreTrainedTokeniz
     """The tiny ChatML template knows no tools: the tool list joins the system message, the
     earlier call is written in the output convention, the result as a tool response."""
     parsed = parse_chat({"messages": CONVERSATION, "tools": [WEATHER]})
-    messages, specs = chat_input(parsed.messages, parsed.tools, template_has_tools=False)
+    messages, specs = chat_input(
+        parsed.template_messages(), parsed.tool_config, template_has_tools=False
+    )
     assert specs is None
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
@@ -194,7 +202,9 @@ def test_a_template_with_tools_renders_them_itself(tokenizer: PreTrainedTokenize
         "{{ c.function.arguments.city }}{% endfor %}\n{% endfor %}"
     )
     parsed = parse_chat({"messages": CONVERSATION, "tools": [WEATHER]})
-    messages, specs = chat_input(parsed.messages, parsed.tools, template_has_tools=True)
+    messages, specs = chat_input(
+        parsed.template_messages(), parsed.tool_config, template_has_tools=True
+    )
     assert specs == [WEATHER]
     assert messages[3] == {"role": "tool", "content": "22 C, sunny", "tool_call_id": "call_1"}
     text = tokenizer.apply_chat_template(

@@ -9,7 +9,7 @@ import pytest
 import redis
 from aiohttp.test_utils import TestClient
 
-from gateway.app import GATEWAY
+from gateway.app_state import GATEWAY
 from tests.gateway.helpers import MAX_MODEL_LEN, REQUESTS, MakeClient, assert_openai_error
 
 Client = TestClient[Any, Any]

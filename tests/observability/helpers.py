@@ -17,7 +17,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from bench.prom_report import Prometheus
-from gateway.metrics import GatewayMetrics
+from gateway.serving.gateway_metrics import GatewayMetrics
 from tests.services import free_port, wait_for
 from worker.metrics import WorkerMetrics
 

@@ -9,14 +9,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.model_loader import LoadedModel, load_model
+from engine.models.model_loader import LoadedModel, load_model
+from generation.sampling_params import SamplingParams
 from protocol import Keys
-from protocol.sampling import SamplingParams
 from protocol.snapshot import PHASES, BatchSnapshot
 from tests.engine.engine_helpers import make_engine
+from worker.live_snapshot import SnapshotPublisher, build_snapshot, short_id
 from worker.redis_io import EntryRef
-from worker.replies import TrackedRequest
-from worker.snapshot import SnapshotPublisher, build_snapshot, short_id
+from worker.request_book import TrackedRequest
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_phases_follow_the_batch_through_chunked_prefill_and_preemption(loaded):
     while engine.has_unfinished():
         engine.step()
         snap = build_snapshot(engine, "w1", "tiny-random", waiting_seats=3)
-        assert snap.running == engine.num_running and snap.waiting == engine.num_waiting
+        assert snap.running == engine.view.num_running and snap.waiting == engine.view.num_waiting
         assert len(snap.seats) == snap.running + min(3, snap.waiting)
         held, queued = snap.seats[: snap.running], snap.seats[snap.running :]
         assert {s.phase for s in held} <= {"prefill", "decode"}
@@ -57,7 +57,7 @@ def test_phases_follow_the_batch_through_chunked_prefill_and_preemption(loaded):
         seen |= {s.phase for s in snap.seats}
     assert seen == {"prefill", "decode", "waiting", "preempted"}, seen
     assert partial_prefill, "no chunked prefill seen mid-way"
-    assert engine.policy.stats.num_preemptions_total > 0
+    assert engine.stats.num_preemptions_total > 0
 
 
 def test_ids_are_short_hashes_unless_full_ids_and_the_snapshot_round_trips(loaded):

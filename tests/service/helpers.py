@@ -9,10 +9,11 @@ import aiohttp
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.llm_engine import CompletedRequest, Engine
-from engine.model_loader import LoadedModel, load_model
-from protocol import SamplingParams
-from protocol.detokenizer import IncrementalDetokenizer
+from engine.llm_engine import Engine
+from engine.models.model_loader import LoadedModel, load_model
+from engine.outputs import CompletedRequest
+from generation import SamplingParams
+from generation.detokenizer import IncrementalDetokenizer
 from tests.engine.engine_helpers import NEAR_TIE, near_ties, next_token_logprobs
 
 MODEL = "tiny-random"

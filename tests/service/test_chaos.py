@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from engine.model_loader import load_model
+from engine.models.model_loader import load_model
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
 from tests.services import System, Worker, running_system, start_worker
 

@@ -15,8 +15,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.model_loader import load_model
-from protocol import SamplingParams
+from engine.models.model_loader import load_model
+from generation import SamplingParams
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
 from tests.services import Worker, running_stack, wait_for
 

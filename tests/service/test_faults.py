@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import redis
 
-from engine.model_loader import load_model
+from engine.models.model_loader import load_model
 from protocol import WORKER_GROUP, Keys
 from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
 from tests.services import Worker, http_status, running_system, start_worker, wait_for

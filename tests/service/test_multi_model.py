@@ -12,8 +12,9 @@ import requests
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.model_loader import load_model
-from protocol import Keys, SamplingParams
+from engine.models.model_loader import load_model
+from generation import SamplingParams
+from protocol import Keys
 from tests.model_dirs import write_random_llama
 from tests.service.helpers import MODEL, assert_same_greedy_text, stream_completion
 from tests.services import RedisServer, start_gateway, start_worker, wait_for, wait_ready

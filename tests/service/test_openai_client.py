@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engine.model_loader import LoadedModel, load_model
+from engine.models.model_loader import LoadedModel, load_model
 from tests.engine.engine_helpers import next_token_logprobs
 from tests.service.helpers import MODEL, offline
 from tests.services import running_system

@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 import redis.asyncio as aioredis
 
-from gateway.backlog import BacklogMonitor
+from gateway.serving.backlog import BacklogMonitor
 from protocol import WORKER_GROUP, Keys, ModelCard, ReplyMessage, decode_replies
 from tests.service.helpers import MODEL
 from tests.services import RedisServer

@@ -16,12 +16,13 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.backlog import BacklogMonitor, Queue
+from gateway.serving.backlog import BacklogMonitor
 from protocol import Keys, RequestMessage
+from protocol.queue import Queue, entry_cost
 from tests.service.helpers import MODEL
 from tests.service.test_batch_api import jsonl, output_lines, wait_completed
 from tests.services import RedisServer, running_system, start_worker, wait_for, wait_ready
-from worker.redis_io import Outbox, WorkerRedis, entry_cost
+from worker.redis_io import Outbox, WorkerRedis
 
 WEIGHTS = {"a": 1, "b": 1, "c": 2}
 SHARES = {"a": 0.25, "b": 0.25, "c": 0.5}

@@ -14,7 +14,8 @@ import redis
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.model_loader import load_model
+from engine.models.model_loader import load_model
+from generation.sampling_params import SamplingParams
 from protocol import (
     STOP_STRING,
     WORKER_GROUP,
@@ -23,11 +24,10 @@ from protocol import (
     RequestMessage,
     encode_replies,
 )
-from protocol.sampling import SamplingParams
 from tests.service.test_worker_service import KEYS, MODEL, REPLIES, REQUESTS, Replies, pending_ids
 from tests.services import RedisServer, Worker, start_worker, wait_for, wait_ready
+from worker.intake import HISTORY_LOST_SEQ
 from worker.redis_io import published_history, resumed_outputs
-from worker.service import HISTORY_LOST_SEQ
 
 PROMPT = list(range(5, 30))
 

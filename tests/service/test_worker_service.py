@@ -13,7 +13,7 @@ import redis
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.model_loader import load_model
+from engine.models.model_loader import load_model
 from engine.step_timing import PHASES, PUBLISH
 from protocol import (
     STOP_STRING,
@@ -374,6 +374,38 @@ def test_sigterm_finishes_in_flight_requests_and_stops_reading(redis_server):
         assert [e[0].decode() for e in other[0][1]] == [late_entry]
         assert r.zscore(KEYS.workers, "wterm") is None
         assert "worker_stopped" in worker.proc.output()
+    finally:
+        worker.proc.stop()
+
+
+def test_a_bug_in_add_request_is_a_server_error_not_the_clients(redis_server):
+    """Engine.add_request raises a ValueError that is no engine rejection (the start_error_token
+    failpoint): the request is not answered as invalid. Like a failed step it goes back as a
+    failed delivery, and after MAX_DELIVERIES it is dead-lettered with a server error; the
+    worker keeps serving the others."""
+    r = redis_server.client()
+    bug_token = 251
+    env = {"JITNEY_FAILPOINTS": f"start_error_token={bug_token}"}
+    worker = start_worker(redis_server, "wbug", env=env)
+    try:
+        wait_ready(r, worker)
+        replies = Replies(r)
+        send(r, "bug", [5, bug_token, 7], 4)
+        send(r, "fine", [5, 6, 7], 4)
+        finals = replies.wait("bug", "fine", timeout=30)
+        bug = finals["bug"]
+        assert bug.finish_reason == "error" and bug.error_type == "server_error", bug
+        assert "dead-lettered" in (bug.error or "") and bug.seq == 0
+        assert replies.tokens("bug") == []  # its only reply: the error
+        assert finals["fine"].finish_reason == "length" and len(replies.tokens("fine")) == 4
+        (dead,) = r.xrange(KEYS.dead_letters)
+        assert b"failed on 3 deliveries" in dead[1][b"reason"]
+        assert worker.proc.alive()
+        log = worker.proc.output()
+        assert log.count("start_failed") == 3 and "failpoint start_error_token" in log
+        assert worker.metric("jitney_request_handoffs_total", event="dead_lettered") == 1
+        assert worker.metric("jitney_requests_finished_total", reason="error") == 1
+        wait_for(lambda: pending_ids(r) == [], 10, "every entry acked")
     finally:
         worker.proc.stop()
 

@@ -1,0 +1,122 @@
+"""A GGUF file's tensors under transformers' names, as the file stores them (not dequantized).
+
+`read_gguf_tensors(path)` maps ggml's names (`blk.3.attn_q.weight`) to transformers' Llama-family
+names (`model.layers.3.self_attn.q_proj.weight`) and gives each tensor's raw rows as the file holds
+them (memory-mapped): a quantized matrix is [out, bytes per row], whole blocks of 32 weights along
+the input dimension, so rows can be reordered or concatenated without dequantizing.
+
+llama.cpp's converter stores a Llama's Q and K rows permuted for its rotary layout (each head's two
+halves interleaved); `GGUFTensor.rows` undoes that for `llama` files, as transformers' own GGUF
+loader does for the weights it dequantizes, so both paths see the same matrices.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ggml name (block index as {i}) -> transformers name
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor of the file: `kind` is ggml's type name ("Q4_1", "Q8_0", "F32", ...);
+    `shape` is torch's order ([out, in] for a matrix); `raw` the file's rows."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    raw: np.ndarray  # [rows, bytes per row] for quantized types, the values for float ones
+    qtype: int  # ggml's type id (gguf.GGMLQuantizationType)
+    row_order: np.ndarray | None = None  # rows to take, in order (the Q/K un-permutation)
+
+    def rows(self) -> np.ndarray:
+        """The raw rows in transformers' order."""
+        return self.raw if self.row_order is None else self.raw[self.row_order]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32, transformers' layout and order."""
+        from gguf.quants import dequantize
+
+        values = np.asarray(dequantize(self.rows(), self.qtype), dtype=np.float32)
+        return torch.from_numpy(values.reshape(self.shape).copy())
+
+
+def rotary_row_order(num_rows: int, num_heads: int) -> np.ndarray:
+    """Row i of transformers' Q (or K) matrix is row order[i] of llama.cpp's: head h's row
+    (h, half s, j) sits at (h, j, s) in the file."""
+    head_dim = num_rows // num_heads
+    h, s, j = np.meshgrid(
+        np.arange(num_heads), np.arange(2), np.arange(head_dim // 2), indexing="ij"
+    )
+    return (h * head_dim + j * 2 + s).reshape(-1)
+
+
+def read_gguf_tensors(path: str | Path) -> tuple[str, dict[str, GGUFTensor]]:
+    """(the file's architecture, its tensors by transformers name). Raises ValueError for a
+    tensor this mapping does not know (rather than silently dropping weights)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    tensors: dict[str, GGUFTensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists dims inner first
+        order = None
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
+            order = rotary_row_order(shape[0], heads)
+        kind = GGMLQuantizationType(t.tensor_type).name
+        tensors[name] = GGUFTensor(name, kind, shape, t.data, int(t.tensor_type), order)
+    return arch, tensors
+
+
+def _hf_name(ggml_name: str) -> str:
+    if ggml_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[ggml_name]
+    match = _BLOCK.match(ggml_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {ggml_name!r} has no Llama-family counterpart")
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def _field(reader: object, key: str, default: object = None) -> object:
+    fields = reader.fields  # type: ignore[attr-defined]
+    if key not in fields:
+        if default is None:
+            raise ValueError(f"GGUF file has no {key!r}")
+        return default
+    field = fields[key]
+    value = field.parts[field.data[0]]
+    if value.dtype == np.uint8 and len(field.data) == 1 and field.types[0].name == "STRING":
+        return bytes(value).decode()
+    return value[0] if len(value) == 1 else value

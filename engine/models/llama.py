@@ -1,0 +1,259 @@
+"""Jitney's own forward for the Llama family: Llama 2/3.x, SmolLM2, Qwen2, Qwen3, Mistral.
+
+Written for the engine's packed step: every scheduled token of the batch is one row of a
+[T, hidden] activation, sequence after sequence, at explicit positions; attention writes and reads
+the paged pool through the same function the transformers path uses
+(engine/attention/paged_attention.py). Per layer: RMSNorm, one fused QKV projection, (Qwen3) a
+norm per head, rotary embeddings (angles made once per step), paged attention, the output
+projection, RMSNorm, one fused gate/up projection, SiLU-and-multiply, the down projection, and
+the residual adds. Only the rows whose logits are wanted reach the final norm and the LM head.
+
+The model code says what is computed; how a projection stores its weights is its layer's business
+(engine/layers/linear.py). The transformers model of the same family stays the reference: the
+parity tests compare the two on the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention.paged_attention import paged_attention_forward
+from engine.attention.step_inputs import AttentionMetadata
+from engine.kv_cache import PagedKVCache
+from engine.models.weight_sources import StateDictWeights, WeightSource
+
+# transformers model_type values this forward covers (each checked against its transformers
+# model in tests/engine/test_llama_forward.py).
+COVERED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# RoPE variants whose frequencies depend only on the config. "dynamic" and "longrope" rescale
+# them with the sequence length (not covered: auto falls back to transformers for those).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """A model Jitney's own forward does not cover (`--model-impl jitney` refuses it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    """What the forward needs to know of a checkpoint's architecture."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+
+    @property
+    def qkv_sizes(self) -> tuple[int, int, int]:
+        kv = self.num_kv_heads * self.head_dim
+        return self.num_heads * self.head_dim, kv, kv
+
+
+def unsupported_because(config: Any) -> str | None:
+    """Why Jitney's forward cannot run a model of this transformers config (None: it can)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in COVERED_MODEL_TYPES:
+        return f"architecture {model_type!r} is not covered (covered: {COVERED_MODEL_TYPES})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not covered (only silu)"
+    rope_type = _rope_parameters(config).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} is not covered (covered: {STATIC_ROPE_TYPES})"
+    return None
+
+
+def _rope_parameters(config: Any) -> Mapping[str, Any]:
+    params = getattr(config, "rope_parameters", None) or {}
+    # Per layer type (e.g. {"full_attention": {...}}) in some configs; one set for all here.
+    if "rope_type" not in params and "rope_theta" not in params and params:
+        params = next(iter(params.values()))
+    return params
+
+
+def _windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as the family's transformers model applies it."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # Qwen2/Qwen3: only "sliding_attention" layers slide
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if config.model_type == "mistral":  # every layer slides when the config sets a window
+        return (window,) * num_layers
+    return (None,) * num_layers
+
+
+class Rotary(nn.Module):
+    """Rotary position embeddings, computed as transformers computes them (position * inv_freq
+    in float32, both halves, times the attention factor), so the rotation is the reference's
+    bit for bit. cos/sin are made once per step for the step's positions and shared by every
+    layer: no table, so any context length costs the same."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        params = dict(_rope_parameters(config))
+        rope_type = params.get("rope_type", "default")
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            factor = 1.0
+        else:
+            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.factor = float(factor)
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(cos, sin), each [T, 1, head_dim], for positions [T]."""
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.factor != 1.0:
+            cos, sin = cos * self.factor, sin * self.factor
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] rotated by each token's angles: x cos + rotate_half(x) sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: the statistics in float32, the weight applied in the input's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _AttentionSite:
+    """What the shared paged attention function reads of the layer calling it."""
+
+    layer_idx: int
+    sliding_window: int | None
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, shape: LlamaShape, index: int, weights: WeightSource, prefix: str):
+        super().__init__()
+        self.shape = shape
+        self.site = _AttentionSite(index, shape.windows[index])
+        attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+        self.qkv = weights.linear([f"{attn}{p}_proj" for p in "qkv"])
+        self.o = weights.linear([f"{attn}o_proj"])
+        self.gate_up = weights.linear([f"{mlp}gate_proj", f"{mlp}up_proj"])
+        self.down = weights.linear([f"{mlp}down_proj"])
+        self.input_norm = nn.Parameter(weights.vector(f"{prefix}input_layernorm.weight"), False)
+        self.post_norm = nn.Parameter(
+            weights.vector(f"{prefix}post_attention_layernorm.weight"), False
+        )
+        # Qwen3: an RMSNorm over each head of Q and K.
+        q_norm, k_norm = (weights.optional_vector(f"{attn}{p}_norm.weight") for p in "qk")
+        self.q_norm = None if q_norm is None else nn.Parameter(q_norm, False)
+        self.k_norm = None if k_norm is None else nn.Parameter(k_norm, False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden], updated in place
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        s = self.shape
+        num_tokens = x.shape[0]
+        h = _rms_norm(x, self.input_norm, s.rms_norm_eps)
+        q, k, v = self.qkv(h).split(s.qkv_sizes, dim=-1)
+        q = q.view(num_tokens, s.num_heads, s.head_dim)
+        k = k.view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = _rms_norm(q, self.q_norm, s.rms_norm_eps)
+            k = _rms_norm(k, self.k_norm, s.rms_norm_eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        # The shared attention takes transformers' [1, heads, T, d] layout: views, no copies.
+        out, _ = paged_attention_forward(
+            self.site,  # type: ignore[arg-type]
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            None,
+            s.head_dim**-0.5,
+            attn_metadata=meta,
+            kv_cache=kv_cache,
+            sliding_window=self.site.sliding_window,
+        )
+        x = x + self.o(out.view(num_tokens, s.num_heads * s.head_dim))
+        h = _rms_norm(x, self.post_norm, s.rms_norm_eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaForward(nn.Module):
+    """A Llama-family decoder as one `ModelForward` (engine/models/forward.py): packed ids in,
+    logits of the metadata's rows out."""
+
+    def __init__(self, config: Any, weights: WeightSource):
+        super().__init__()
+        why = unsupported_because(config)
+        if why is not None:
+            raise UnsupportedArchitectureError(why)
+        num_heads = config.num_attention_heads
+        self.config = config
+        self.shape = LlamaShape(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            windows=_windows(config),
+        )
+        self.embed = weights.embedding("model.embed_tokens")
+        self.layers = nn.ModuleList(
+            LlamaLayer(self.shape, i, weights, f"model.layers.{i}.")
+            for i in range(self.shape.num_layers)
+        )
+        self.norm = nn.Parameter(weights.vector("model.norm.weight"), requires_grad=False)
+        # Tied embeddings (SmolLM2, Llama 3.2, Qwen3 small): the head multiplies by the table.
+        tied = getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight")
+        self.lm_head = weights.linear(["model.embed_tokens" if tied else "lm_head"])
+        self.rotary = Rotary(config)
+        self.dtype = weights.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """``input_ids``/``positions`` [T] (or [1, T]; positions None = the metadata's).
+        Returns logits ``[S, vocab]`` for ``metadata.logits_indices`` only."""
+        pos = (metadata.positions if positions is None else positions).reshape(-1)
+        with torch.inference_mode():
+            x = self.embed(input_ids.reshape(-1))
+            cos, sin = self.rotary.angles(pos, x.dtype)
+            for layer in self.layers:
+                x = layer(x, cos, sin, metadata, kv_cache)
+            x = _rms_norm(x[metadata.logits_indices], self.norm, self.shape.rms_norm_eps)
+            return self.lm_head(x)
+
+    @classmethod
+    def from_transformers(cls, model: nn.Module) -> LlamaForward:
+        """The same weights as a loaded transformers model, in its dtype, held once: the fused
+        projections are new tensors, and the transformers model's own Q/K/V and gate/up
+        parameters become views of them (same values), so the reference still runs."""
+        return cls(model.config, StateDictWeights(dict(model.named_parameters()), share=True))

@@ -1,0 +1,106 @@
+"""What the engine hands back: a `RequestOutput` per step and choice, `CompletedRequest` offline.
+
+A step's sampled tokens become outputs here: each token's text delta (the detokenizer holds back
+what may start a stop string; one found ends its request in the scheduler's update), its
+log-probs when asked, and a request's prompt log-probs with its first output. A choice that
+ended gets a final output, carrying the last delta of the step that ended it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.choices import ChoiceState, ChoiceTable
+from engine.sampler import TokenLogprobs
+from engine.sampling_pipeline import StepResult
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta), or its final state when finished."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    index: int = 0  # the choice (params.n > 1)
+    delta_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    # Each prompt token's after the first, in the request's first output (when it asked).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+def step_outputs(result: StepResult, choices: ChoiceTable) -> dict[str, RequestOutput]:
+    """Each sampled token's output, by sequence id: its text delta and its log-probs."""
+    outputs: dict[str, RequestOutput] = {}
+    by_seq = choices.by_seq
+    logprobs = result.logprobs
+    for seq_id, token in result.sampled.items():
+        req = by_seq[seq_id]
+        detok = req.detok
+        out = outputs[seq_id] = RequestOutput(req.request_id, [token], req.index)
+        if detok is not None:
+            out.delta_text = detok.add(token)
+        if logprobs and (lp := logprobs.get(seq_id)) is not None:
+            out.logprobs = [lp]
+        out.num_output_tokens = req.seq.num_output_tokens + 1
+        if req.prompt_logprobs is not None:  # complete: the first token samples after them
+            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+            choices.collecting.discard(seq_id)
+    return outputs
+
+
+def stop_strings_found(outputs: dict[str, RequestOutput], choices: ChoiceTable) -> set[str]:
+    """The sequences whose detokenizer found a stop string in this step's text."""
+    by_seq = choices.by_seq
+    return {
+        seq_id
+        for seq_id in outputs
+        if (detok := by_seq[seq_id].detok) is not None and detok.stopped
+    }
+
+
+def final_output(req: ChoiceState, delta: RequestOutput | None = None) -> RequestOutput:
+    """A finished or aborted choice's last output: with `delta`, the step's that ended it."""
+    seq = req.seq
+    final = RequestOutput(
+        req.request_id,
+        index=req.index,
+        delta_text="" if req.detok is None else req.detok.finish(),
+        finished=True,
+        finish_reason=seq.status.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+    )
+    if delta is not None:
+        final.new_token_ids = delta.new_token_ids
+        final.logprobs = delta.logprobs
+        final.prompt_logprobs = delta.prompt_logprobs
+        final.delta_text = delta.delta_text + final.delta_text
+    return final
+
+
+@dataclass(slots=True)
+class CompletedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when the request asked
+
+    def absorb(self, out: RequestOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.text += out.delta_text
+        self.logprobs += out.logprobs or ()
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.num_cached_tokens = out.num_cached_tokens

@@ -1,0 +1,131 @@
+"""Turns a StepPlan into one forward pass: packed input ids, attention metadata, logits.
+
+The runner calls the model only through `ModelForward` (engine/models/forward.py), chosen in
+`model_forward_for` (`--model-impl`): Jitney's own Llama-family forward or transformers' model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention.step_inputs import AttentionMetadata
+from engine.kv_cache import PagedKVCache
+from engine.models.forward import ModelForward, TransformersForward
+from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
+from engine.runner.decode_graphs import DecodeGraphs, GraphCapture, width_bucket
+from engine.runner.input_batch import InputBatch
+from scheduler import Sequence, StepPlan
+
+
+def model_forward_for(model: torch.nn.Module, impl: str = "auto") -> ModelForward:
+    """The forward every step (and the start-up memory profile's dummy step) runs (`impl`,
+    `--model-impl`): "jitney", Jitney's own for the Llama family (engine/models/llama.py);
+    "transformers", the stock transformers decoder on Jitney's paged attention; "auto", Jitney's
+    where the architecture is covered. Built once per model and kept on it, so engines sharing
+    a loaded model share its forward (and Jitney's shares the transformers model's weights)."""
+    why_not = (
+        unsupported_because(model.config)
+        if isinstance(model, PreTrainedModel)
+        else "not a transformers model (noop)"
+    )
+    if impl == "jitney" and why_not is not None:
+        raise UnsupportedArchitectureError(f"--model-impl jitney: {why_not}")
+    use_jitney = impl == "jitney" or (impl == "auto" and why_not is None)
+    forwards: dict[str, ModelForward] = model.__dict__.setdefault("_jitney_forwards", {})
+    name = "jitney" if use_jitney else "transformers"
+    if name not in forwards:
+        if use_jitney:
+            forwards[name] = LlamaForward.from_transformers(model)
+        else:
+            forwards[name] = TransformersForward(model)
+    return forwards[name]
+
+
+class ModelRunner:
+    def __init__(self, forward: ModelForward, kv_cache: PagedKVCache):
+        self.model_forward = forward
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        # Block tables and the upload buffer persist across steps (engine/runner/input_batch.py).
+        self.batch = InputBatch(self.device)
+        # Decode-only steps at padded shapes (CUDA graphs); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
+        self._graph_ctx: list[int] | None = None  # set by prepare for a step graphs take
+
+    def enable_decode_graphs(
+        self, max_batch: int, max_model_len: int, capture: GraphCapture | None
+    ) -> None:
+        """Run decode-only steps through DecodeGraphs, captured by `capture` (None: padded but
+        eager): with the decode kernel all at once, now; else each on first use. The KV pool's
+        last block is their scratch block, so it must lie outside the block manager's pool."""
+        blocks = -(-max_model_len // self.kv_cache.block_size)
+        self.graphs = DecodeGraphs(
+            lambda ids, meta: self.model_forward(ids, None, meta, self.kv_cache),
+            self.kv_cache,
+            max_batch,
+            width_bucket(blocks),
+            capture,
+        )
+        self.graphs.capture_all()
+
+    # The engine calls prepare then forward, timing each as a phase (engine/step_timing.py).
+    def prepare(
+        self,
+        plan: StepPlan,
+        seqs: Mapping[str, Sequence],
+        block_ids: Callable[[str], list[int]],
+        prompt_rows: Mapping[str, int] | None = None,
+    ) -> AttentionMetadata:
+        """The packed inputs of every chunk of `plan`, on the device, for `forward`.
+        `block_ids(seq_id)` is the sequence's live block list: the same object for as long as
+        its allocation lives (see InputBatch.row). `prompt_rows[seq_id] = k`: that sequence's
+        chunk also yields logits for its first k tokens (after the sampling rows)."""
+        input_ids: list[int] = []
+        layout: list[tuple[int, int, list[int]]] = []
+        for chunk in plan.chunks:
+            seq = seqs[chunk.seq_id]
+            if chunk.is_prefill:
+                input_ids += seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
+            else:  # a decode feeds back the token sampled last
+                input_ids.append(seq.output_token_ids[-1])
+            layout.append((chunk.start, chunk.num_tokens, block_ids(chunk.seq_id)))
+        self._graph_ctx = None
+        if self.graphs is not None and not any(c.is_prefill for c in plan.chunks):
+            ctx_lens = [c.start + 1 for c in plan.chunks]
+            if self.graphs.fits(len(ctx_lens), max(ctx_lens)):
+                self._graph_ctx = ctx_lens
+        wanted = []
+        if prompt_rows:
+            wanted = [
+                (i, prompt_rows[c.seq_id])
+                for i, c in enumerate(plan.chunks)
+                if c.seq_id in prompt_rows
+            ]
+        return AttentionMetadata.build(
+            layout,
+            self.kv_cache,
+            sample=[c.samples for c in plan.chunks],
+            batch=self.batch,
+            keys=[c.seq_id for c in plan.chunks],
+            input_ids=input_ids,
+            prompt_rows=wanted,
+        )
+
+    def forward(self, metadata: AttentionMetadata) -> torch.Tensor:
+        """One pass over the prepared chunks: float32 logits [S, vocab], one row per chunk that
+        samples, in chunk order (then the prompt rows `prepare` was asked for). On CUDA it
+        returns before the kernels finish."""
+        ctx_lens, self._graph_ctx = self._graph_ctx, None
+        if ctx_lens is not None and self.graphs is not None:
+            assert metadata.input_ids is not None and metadata.table_rows is not None
+            tables = self.batch.block_table[metadata.table_rows]
+            logits = self.graphs.run(
+                metadata.input_ids, metadata.positions, metadata.slot_mapping, tables, ctx_lens
+            )
+        else:
+            assert metadata.input_ids is not None
+            logits = self.model_forward(metadata.input_ids, None, metadata, self.kv_cache)
+        return logits.float()

@@ -1,0 +1,104 @@
+"""What the engine decides once, at start: decode attention, memory, KV pool, runner, graphs.
+
+In order (each step needs the ones before it):
+1. the decode attention: the Triton kernel where it runs (`--decode-attention`), else gather;
+2. on CUDA without a fixed `--kv-cache-memory`: the largest step's peak memory, measured on a
+   dummy step (engine/memory_profile.py), plus what decode graphs keep beside the pool;
+3. the KV budget and the capacity it yields (engine/capacity.py: refuses to start when not even
+   one max-length request fits);
+4. the paged KV pool, one block larger than the scheduler's (the scratch block padded decode
+   rows write to), and the model runner on it, with decode graphs captured (CUDA, not eager).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
+from engine.capacity import KVCapacity, budget_bytes, plan_capacity
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.memory_profile import step_peak_bytes
+from engine.models.forward import ModelForward
+from engine.models.model_loader import LoadedModel
+from engine.runner.decode_graphs import CudaGraphCapture, graph_reserved_bytes
+from engine.runner.model_runner import ModelRunner, model_forward_for
+
+logger = logging.getLogger("jitney.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class StartupPlan:
+    """What start-up decided, kept by the engine for its life."""
+
+    capacity: KVCapacity
+    kv_cache: PagedKVCache
+    runner: ModelRunner
+    # Why decode tokens do not attend through the Triton kernel (None: they do, or the device
+    # has none to offer); bench/gpu_check.py reports it.
+    decode_kernel_unused_because: str | None
+
+
+def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
+    device = config.torch_device
+    model = loaded.model
+    spec = KVCacheSpec(
+        loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype, config.block_size
+    )
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    decode_kernel, why_not = _decode_attention(config, device, model, spec)
+    forward = model_forward_for(model, config.model_impl)
+    step_peak = None
+    if device.type == "cuda" and config.kv_cache_memory is None:
+        step_peak = _step_peak(config, loaded, forward, spec, decode_kernel, use_graphs)
+    budget = budget_bytes(config, device, step_peak)
+    capacity = plan_capacity(config, spec, loaded.max_model_len, budget)
+    kv_cache = PagedKVCache(spec, capacity.num_blocks + 1, device, decode_kernel)
+    runner = ModelRunner(forward, kv_cache)
+    if use_graphs:
+        runner.enable_decode_graphs(config.max_num_seqs, capacity.max_model_len, CudaGraphCapture())
+    return StartupPlan(capacity, kv_cache, runner, why_not)
+
+
+def _decode_attention(
+    config: EngineConfig, device: torch.device, model: torch.nn.Module, spec: KVCacheSpec
+) -> tuple[bool, str | None]:
+    """Whether decode tokens attend through the Triton kernel, and if not, why not."""
+    shape = DecodeShape(
+        getattr(model.config, "num_attention_heads", spec.num_kv_heads),
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.block_size,
+        spec.dtype,
+    )
+    decode_kernel, why_not = resolve_decode_attention(config.decode_attention, device, shape)
+    if why_not is not None and device.type == "cuda":
+        logger.warning("decode attention: gather (%s)", why_not)
+    return decode_kernel, why_not
+
+
+def _step_peak(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    forward: ModelForward,
+    spec: KVCacheSpec,
+    decode_kernel: bool,
+    use_graphs: bool,
+) -> int | None:
+    """What the largest step needs beside the cache, measured, and what decode graphs keep:
+    their shared logits buffer and, unless the kernel reads K/V in place, the read workspace
+    (at most the longest context's)."""
+    device = next(loaded.model.parameters()).device
+    step_peak = step_peak_bytes(
+        forward, device, spec, config.max_num_batched_tokens, config.max_num_seqs, decode_kernel
+    )
+    if step_peak is not None and use_graphs:
+        longest = config.max_model_len or loaded.max_model_len
+        vocab_size = loaded.model.get_input_embeddings().num_embeddings
+        step_peak += graph_reserved_bytes(
+            spec, config.max_num_seqs, longest, vocab_size, decode_kernel
+        )
+    return step_peak

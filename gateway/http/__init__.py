@@ -1,0 +1,1 @@
+"""The HTTP shell: the aiohttp app, its middleware, auth, rate limits, the routes, the server."""

@@ -1,0 +1,251 @@
+"""The request path: a generation request validated, tokenized, admitted, enqueued, relayed.
+
+A request's life here, in order (nothing is enqueued until step 5; any error before it is a 4xx
+or 503 with nothing left behind):
+1. parse + validate the body (gateway.openai);             4. backlog bound (429, Retry-After);
+2. resolve the model (404), tokenize on the tokenizer     5. XADD the RequestMessage, then send
+   thread (chat template for chat);                          headers (stream) or wait (not);
+3. prompt + max_tokens within max_model_len, a grammar     6. relay replies until every
+   that compiles (400);                                      choice ended (gateway.serving.relay).
+Leaving before the final reply (client gone, idle timeout, error) publishes a cancel.
+Steps 1-3 are `prepare`, 4-6 `submit`: the HTTP routes (gateway.http.completion_routes) and a
+Batch API line (gateway.batch.line_runner) take the same path.
+
+Workers send token ids; the text is made in the gateway (gateway.openai.choices, one detokenizer
+per choice), so it costs the workers' steps nothing and the gateways, which scale out, pay it. A
+stop string found there ends its choice at once and cancels the rest of its work (the worker
+stops within a step or two).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError
+
+from gateway.openai import tools
+from gateway.openai.choices import Choice, Echo
+from gateway.openai.errors import bad_request, redis_unavailable
+from gateway.openai.logprobs_format import LogprobsFormatter
+from gateway.openai.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
+from gateway.openai.response_bodies import Kind, Responder
+from gateway.openai.structured_outputs import compile_error
+from gateway.openai.tool_parser import ToolStream
+from gateway.serving.backlog import Queue
+from gateway.serving.gateway_state import Gateway
+from gateway.serving.relay import Relay
+from gateway.serving.served_models import ServedModel
+from generation import SamplingParams
+from generation.detokenizer import IncrementalDetokenizer
+from protocol import STOP_STRING, RequestMessage
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request validated and tokenized: what is left is to admit and enqueue it."""
+
+    kind: Kind
+    parsed: GenerationRequest
+    model: ServedModel
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+    @property
+    def cost(self) -> int:
+        """Tokens it may use: the prompt, and max_tokens for every choice."""
+        return len(self.prompt_ids) + self.sampling.n * self.sampling.max_tokens
+
+
+async def prepare(gw: Gateway, kind: Kind, body: dict[str, Any]) -> Job:
+    """Steps 1-3: parse, resolve the model, tokenize, check limits and the grammar (4xx)."""
+    parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+    model = await gw.registry.resolve(parsed.model)
+    prompt_ids = await _prompt_ids(gw, model, parsed)
+    max_tokens = _max_tokens(gw, model, parsed, len(prompt_ids))
+    if parsed.min_tokens > max_tokens:
+        raise bad_request(
+            f"'min_tokens' ({parsed.min_tokens}) must be at most max_tokens ({max_tokens}).",
+            param="min_tokens",
+        )
+    if any(token >= model.vocab_size for token, _ in parsed.sampling.logit_bias):
+        raise bad_request(
+            f"'logit_bias' names token ids outside the vocabulary (size {model.vocab_size}).",
+            param="logit_bias",
+        )
+    if parsed.grammar is not None:  # compiled now: a bad one is a 400 before anything queues
+        error = await gw.registry.run(model.grammar_error, parsed.grammar.text)
+        if error is not None:
+            raise compile_error(parsed.grammar, error)
+    return Job(kind, parsed, model, prompt_ids, _wire_sampling(parsed, max_tokens))
+
+
+async def submit(
+    gw: Gateway,
+    job: Job,
+    priority: int,
+    received: float,
+    deliver: Callable[[Relay], Awaitable[T]],
+    request_id: str = "",
+    key_id: str | None = None,
+    weight: int | None = None,
+) -> T:
+    """Steps 4-6: admit (429), enqueue, then `deliver` the replies (HTTP body or stream, or a
+    batch line's body). Leaving before the final reply cancels the work."""
+    parsed, prompt_ids, sampling = job.parsed, job.prompt_ids, job.sampling
+    backlog = gw.backlog(job.model.name)
+    await backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
+
+    responder = Responder(job.kind, job.model.name, parsed.include_usage, id=request_id)
+    now = time.time()
+    timeout = gw.config.request_timeout
+    message = RequestMessage(
+        request_id=responder.request_id,
+        model=job.model.name,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling.to_dict(),
+        reply_to=gw.reply_stream,
+        gateway_id=gw.config.gateway_id,
+        enqueue_time=now,
+        deadline=None if timeout is None else now + timeout,
+        priority=priority,
+        key_id=key_id,
+    )
+    in_flight = gw.router.register(responder.request_id, len(prompt_ids), priority)
+    choices = _choices(job.model, parsed, prompt_ids, sampling, keep=not parsed.stream)
+    relay = Relay(gw, in_flight, job.model, responder, choices, len(prompt_ids), received)
+    enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
+    try:
+        try:
+            queue = Queue(priority, key_id if weight else None, weight or 1)
+            in_flight.request_stream = backlog.queue(queue)
+            in_flight.entry_id = await backlog.enqueue(message, queue, job.cost)
+        except RedisError:
+            enqueued = False
+            backlog.release(len(prompt_ids))
+            raise redis_unavailable() from None
+        return await deliver(relay)
+    finally:
+        gw.router.unregister(responder.request_id)
+        if enqueued:  # what the key used, finished or not (tenants' shares, billing)
+            used = relay.usage()
+            tokens = gw.metrics.key_tokens
+            tokens.labels(key_id or "-", job.model.name, "prompt").inc(used["prompt_tokens"])
+            tokens.labels(key_id or "-", job.model.name, "completion").inc(
+                used["completion_tokens"]
+            )
+        if enqueued and not relay.finished:  # stop string, client gone, timeout: stop the work
+            reason = STOP_STRING if relay.complete else "client_gone"
+            gw.cancel_later(responder.request_id, reason)
+
+
+def _wire_sampling(parsed: GenerationRequest, max_tokens: int) -> SamplingParams:
+    """What the worker gets. Echo with max_tokens 0: one token (the wire's minimum), not shown;
+    with logprobs, the prompt's own log-probs too."""
+    echo = isinstance(parsed, CompletionRequest) and parsed.echo
+    logprobs = parsed.sampling.logprobs
+    return replace(
+        parsed.sampling,
+        max_tokens=max(max_tokens, 1),
+        min_tokens=parsed.min_tokens,
+        detokenize=False,
+        grammar=parsed.grammar.text if parsed.grammar else None,
+        prompt_logprobs=logprobs if echo and logprobs is not None else None,
+    )
+
+
+def _choices(
+    model: ServedModel,
+    parsed: GenerationRequest,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    keep: bool,
+) -> list[Choice]:
+    """Per choice: its detokenizer, log-probs, tool-call parser and echo."""
+    kind: Kind = "chat" if isinstance(parsed, ChatCompletionRequest) else "completion"
+    names = _tool_names(parsed)
+    echo = None
+    if isinstance(parsed, CompletionRequest) and parsed.echo:
+        text = parsed.prompt
+        if not isinstance(text, str):
+            text = model.decoder.decode(prompt_ids, skip_special_tokens=False)
+        echo = text
+    return [
+        Choice(
+            index=i,
+            detok=IncrementalDetokenizer.create(model.decoder, prompt_ids, sampling.stop),
+            logprobs=None if sampling.logprobs is None else LogprobsFormatter(kind, model.decoder),
+            tools=None if names is None else ToolStream(names),
+            echo=None if echo is None else Echo(echo, prompt_ids),
+            hide_output=parsed.max_tokens == 0,
+            keep=keep,
+        )
+        for i in range(sampling.n)
+    ]
+
+
+def _tool_names(parsed: GenerationRequest) -> frozenset[str] | None:
+    """The tools whose calls are read out of the output (None: no parsing). With another
+    format forced (response_format), the output is that format, not calls."""
+    if not isinstance(parsed, ChatCompletionRequest):
+        return None
+    config = parsed.tool_config
+    if config is None or not config.offered:
+        return None
+    if parsed.grammar is not None and parsed.grammar.param not in ("tools", "tool_choice"):
+        return None
+    return config.names
+
+
+async def _prompt_ids(gw: Gateway, model: ServedModel, parsed: GenerationRequest) -> list[int]:
+    if isinstance(parsed, ChatCompletionRequest) or isinstance(parsed.prompt, str):
+        if isinstance(parsed, ChatCompletionRequest):
+            messages, specs = tools.chat_input(
+                parsed.template_messages(), parsed.tool_config, model.template_has_tools
+            )
+            ids = await gw.registry.run(model.chat_ids, messages, specs)
+        else:
+            ids = await gw.registry.run(model.encode, parsed.prompt)
+        if not ids:
+            raise bad_request("The prompt is empty after tokenization.", param=_param(parsed))
+        return ids
+    if max(parsed.prompt) >= model.vocab_size:
+        raise bad_request(
+            f"'prompt' holds token ids outside the vocabulary (size {model.vocab_size}).",
+            param="prompt",
+        )
+    return parsed.prompt
+
+
+def _param(parsed: GenerationRequest) -> str:
+    return "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
+
+
+def _max_tokens(gw: Gateway, model: ServedModel, parsed: GenerationRequest, num_prompt: int) -> int:
+    """The client's max_tokens or the route's default, refused (400) past the context window."""
+    limit = model.card.max_model_len
+    max_tokens = parsed.max_tokens
+    if max_tokens is None:  # chat: as much as fits, capped; completions: OpenAI's 16
+        if isinstance(parsed, ChatCompletionRequest):
+            max_tokens = max(1, min(gw.config.chat_default_max_tokens, limit - num_prompt))
+        else:
+            max_tokens = gw.config.completion_default_max_tokens
+    if num_prompt + max(max_tokens, 1) > limit:  # echo's max_tokens 0 still makes one
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
+            f"the completion). Please reduce the prompt or max_tokens.",
+            param=_param(parsed),
+            code="context_length_exceeded",
+        )
+    return max_tokens

@@ -1,0 +1,231 @@
+"""The models this gateway can serve: ModelCards from Redis, with a tokenizer rebuilt per card.
+
+A model is served while its card exists and a worker serving it has a fresh heartbeat (each
+worker heartbeats into its model's `{p}:model_workers:{model}` set too).
+Cards are found by a background scan and on a miss (so a worker that just started is found at
+once); each is re-read every `card_refresh_s` (a tokenizer JSON can be megabytes) and its
+tokenizer rebuilt only when the card changed.
+Tokenizing runs on one dedicated thread: it keeps long prompts off the event loop, and HF fast
+tokenizers are not safe to call from several threads at once. Detokenizing replies (a few
+microseconds a token) runs on the event loop, on a tokenizer instance of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from jinja2 import TemplateError
+from llguidance import LLTokenizer
+from redis.exceptions import RedisError
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+from gateway.openai.errors import ApiError, bad_request, model_not_found
+from gateway.serving.tasks import cancel_and_wait
+from generation import grammar as grammars
+from protocol import HEARTBEAT_TTL_S, Keys, ModelCard
+from protocol.messages import MESSAGE_FIELD
+from protocol.model_card import tokenizer_from_card
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServedModel:
+    card: ModelCard
+    tokenizer: PreTrainedTokenizerFast  # only on the tokenizer thread
+    decoder: Tokenizer  # only on the event loop: the replies' text (generation.detokenizer)
+    digest: str  # of the card's encoded form: a changed card rebuilds the tokenizer
+    read_at: float  # monotonic seconds
+    # llguidance's view of the tokenizer, to compile grammars against (None: it could not be
+    # built; grammars are then checked without it). Only on the tokenizer thread.
+    lltokenizer: LLTokenizer | None = None
+
+    @property
+    def name(self) -> str:
+        return self.card.name
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders a `tools` argument itself."""
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and "tools" in template
+
+    def grammar_error(self, grammar: str) -> str | None:
+        """Why `grammar` does not compile for this model (None: it does)."""
+        return grammars.validate(grammar, self.lltokenizer)
+
+    def chat_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise bad_request(
+                f"Model {self.name!r} has no chat template; use /v1/completions.",
+                param="messages",
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except (TemplateError, ValueError, TypeError) as e:  # the template refused the chat
+            # The template's own message ("roles must alternate"), never the messages themselves.
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise bad_request(
+                f"The model's chat template rejected the messages: {reason}", param="messages"
+            ) from None
+        return list(ids)
+
+
+class ModelRegistry:
+    """Liveness (one ZCOUNT per model, pipelined) is re-read at most every `live_s` on the
+    request path; the card scan (the `{p}:models` set, then each card's hash) runs in the
+    background every `scan_s`, and on a miss at most every `miss_rescan_s`."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        executor: Executor,
+        live_s: float = 1.0,
+        scan_s: float = 5.0,
+        miss_rescan_s: float = 0.5,
+        card_refresh_s: float = 30.0,
+        require_workers: bool = True,
+    ):
+        self.redis = redis
+        self.keys = keys
+        self.executor = executor
+        self.live_s = live_s
+        self.scan_s = scan_s
+        self.miss_rescan_s = miss_rescan_s
+        self.card_refresh_s = card_refresh_s
+        # False (scale to zero): its requests wait in the queue for the model's first worker.
+        self.require_workers = require_workers
+        self._models: dict[str, ServedModel] = {}
+        self._live: set[str] = set()  # models with a live worker, as last read
+        self._live_at = -float("inf")
+        self._scanned_at = -float("inf")
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._rescan_loop(), name="jitney-model-registry")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+
+    async def live_models(self, miss: bool = False) -> list[ServedModel]:
+        """`miss`: the caller did not find what it needs, so re-read sooner (a worker may have
+        just started: its heartbeat or card came after our last look)."""
+        miss = miss or not self._models
+        await self._rescan_if_older_than(self.miss_rescan_s if miss else self.scan_s * 2)
+        if time.monotonic() - self._live_at >= (self.miss_rescan_s if miss else self.live_s):
+            names = list(self._models)
+            now = time.time()
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.zcount(self.keys.model_workers(name), now - HEARTBEAT_TTL_S, "+inf")
+            counts = await pipe.execute() if names else []
+            self._live = {name for name, n in zip(names, counts, strict=True) if n > 0}
+            self._live_at = time.monotonic()
+        # Scale to zero: a model whose card is published is served with no live worker.
+        return [m for m in self.known_models() if m.name in self._live or not self.require_workers]
+
+    def known_models(self) -> list[ServedModel]:
+        """Every model with a card, live or not, by name."""
+        return sorted(self._models.values(), key=lambda m: m.name)
+
+    async def resolve(self, name: str | None) -> ServedModel:
+        """The model a request names; `None` means the only one served."""
+        models = await self.live_models()
+        if not any(name in (None, m.name) for m in models):
+            models = await self.live_models(miss=True)
+        if name is None:
+            if len(models) == 1:
+                return models[0]
+            if not models:
+                raise ApiError(
+                    503,
+                    "No model is being served (no live worker).",
+                    type="service_unavailable",
+                    code="no_workers",
+                    headers={"Retry-After": "1"},
+                )
+            raise bad_request("'model' is required: several models are served.", param="model")
+        for model in models:
+            if model.name == name:
+                return model
+        raise model_not_found(name)
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """Run a tokenizer call on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _rescan_loop(self) -> None:
+        while True:
+            # An outage shows as 503s on requests; the next round retries.
+            with contextlib.suppress(RedisError, OSError):
+                await self._rescan_if_older_than(self.scan_s)
+            await asyncio.sleep(self.scan_s / 2)
+
+    async def _rescan_if_older_than(self, max_age_s: float) -> None:
+        if time.monotonic() - self._scanned_at < max_age_s:
+            return
+        async with self._lock:  # one scan at a time; waiters then see its result
+            if time.monotonic() - self._scanned_at >= max_age_s:
+                await self._rescan()
+
+    async def _rescan(self) -> None:
+        # The names set, not SCAN: SCAN walks the whole keyspace of a shared Redis.
+        names = {name.decode() for name in await self.redis.smembers(self.keys.models)}
+        for name in list(self._models):
+            if name not in names:
+                del self._models[name]
+        for name in names:
+            cached = self._models.get(name)
+            if cached is None or time.monotonic() - cached.read_at > self.card_refresh_s:
+                await self._load(name, cached)
+        self._scanned_at = time.monotonic()
+
+    async def _load(self, name: str, cached: ServedModel | None) -> None:
+        fields = await self.redis.hgetall(self.keys.model(name))
+        raw = fields.get(MESSAGE_FIELD.encode(), b"")
+        digest = hashlib.sha256(raw).hexdigest()
+        if cached is not None and cached.digest == digest:
+            cached.read_at = time.monotonic()
+            return
+        try:
+            card = ModelCard.decode(fields)
+            tokenizer = await self.run(tokenizer_from_card, card)
+            decoder = await self.run(Tokenizer.from_str, card.tokenizer_json)
+        except Exception as e:  # one bad card must not stop the others
+            log.warning("model card unusable model=%s error=%s", name, type(e).__name__)
+            self._models.pop(name, None)
+            return
+        try:
+            lltokenizer = await self.run(
+                grammars.make_tokenizer, card.tokenizer_json, len(tokenizer), card.eos_token_ids
+            )
+        except Exception as e:  # structured outputs are then checked without the vocabulary
+            log.warning("no llguidance tokenizer model=%s error=%s", name, type(e).__name__)
+            lltokenizer = None
+        self._models[name] = ServedModel(
+            card, tokenizer, decoder, digest, time.monotonic(), lltokenizer
+        )
+        log.info("model card loaded model=%s max_model_len=%d", name, card.max_model_len)

@@ -1,0 +1,6 @@
+"""What a generated token stream means, apart from how it travels: the sampling parameters (one
+type from the gateway's request to the engine's sampler), structured-output grammars and the
+incremental detokenizer. The offline engine, the gateway and the worker import it; it imports
+none of them, nor the wire layer (tests/test_layers.py checks that)."""
+
+from generation.sampling_params import SamplingParams  # noqa: F401

@@ -16,6 +16,9 @@ DECODE_ATTENTION = ("auto", "triton", "gather")
 # (engine/models/llama.py), transformers' model on Jitney's paged attention, or auto: Jitney's
 # where the architecture is covered, transformers' elsewhere.
 MODEL_IMPLS = ("auto", "jitney", "transformers")
+# How Jitney's forward keeps the weights: "none", dense in --dtype; "gguf", the GGUF file's own
+# 4- and 8-bit blocks (Q4_1, Q8_0) multiplied by Jitney's CPU kernels with float32 activations.
+QUANTIZATIONS = ("none", "gguf")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -44,6 +47,7 @@ class EngineConfig:
     # else gather.
     decode_attention: str = "auto"
     model_impl: str = "auto"
+    quantization: str = "none"
     cache_dir: str | None = None
     noop_step_ms: float = 0.0  # --model noop only: what its fake forward sleeps per step
 
@@ -64,6 +68,14 @@ class EngineConfig:
             )
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.quantization != "none" and self.model_impl == "transformers":
+            raise ValueError(
+                "quantization gguf runs on Jitney's forward, not --model-impl transformers"
+            )
         if self.noop_step_ms < 0:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -50,7 +50,7 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
     )
     use_graphs = device.type == "cuda" and not config.enforce_eager
     decode_kernel, why_not = _decode_attention(config, device, model, spec)
-    forward = model_forward_for(model, config.model_impl)
+    forward = model_forward_for(loaded, config.model_impl, config.quantization)
     step_peak = None
     if device.type == "cuda" and config.kv_cache_memory is None:
         step_peak = _step_peak(config, loaded, forward, spec, decode_kernel, use_graphs)

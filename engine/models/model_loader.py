@@ -61,6 +61,9 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # The GGUF file the weights came from (dequantized into `model`); `--quantization gguf`
+    # keeps its blocks instead (engine/models/weight_sources.py).
+    gguf_path: Path | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -92,6 +95,7 @@ def load_model(
     say = _reporter(progress)
     cache_root = Path(cache_dir or os.environ.get("JITNEY_CACHE_DIR") or DEFAULT_CACHE_DIR)
     path = Path(spec).expanduser()
+    source: Path | None = None  # the GGUF file, when the weights come from one
 
     if spec == TINY_RANDOM:
         say("building tiny-random model in-process")
@@ -104,6 +108,7 @@ def load_model(
         name = NOOP
     elif spec == SMOLLM2_135M:
         gguf_path = smollm2_gguf_path()
+        source = gguf_path
         model_dir = _converted_gguf(gguf_path, cache_root / spec, say, SMOLLM2_CHAT_TEMPLATE)
         model, tokenizer = _load_hf_dir(model_dir, device, dtype, say)
         name = SMOLLM2_135M
@@ -112,6 +117,7 @@ def load_model(
         model, tokenizer = build_random_model(spec.removeprefix(RANDOM_PREFIX), device, dtype)
         name = spec
     elif path.is_file() and path.suffix == ".gguf":
+        source = path
         model_dir = _converted_gguf(path, cache_root / _gguf_cache_key(path), say, None)
         model, tokenizer = _load_hf_dir(model_dir, device, dtype, say)
         name = path.stem
@@ -126,14 +132,17 @@ def load_model(
         )
 
     model.eval()
-    loaded = describe_loaded(model, tokenizer, name)
+    loaded = describe_loaded(model, tokenizer, name, source)
     num_params = sum(p.numel() for p in model.parameters())
     say(f"model ready: {name} on {device} {dtype}, {num_params / 1e6:.1f}M params")
     return loaded
 
 
 def describe_loaded(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, name: str
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    name: str,
+    gguf_path: Path | None = None,
 ) -> LoadedModel:
     """The LoadedModel of a model built elsewhere (eval mode, on its device and dtype)."""
     config = model.config
@@ -148,6 +157,7 @@ def describe_loaded(
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
+        gguf_path=gguf_path,
     )
 
 

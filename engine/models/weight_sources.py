@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from engine.layers.dense import DenseEmbedding, DenseLinear
-from engine.layers.quantized import quantized_embedding, quantized_linear
+from engine.layers.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    quantized_embedding,
+    quantized_linear,
+)
 from engine.models.gguf_weights import GGUFTensor
 
 
@@ -103,6 +108,8 @@ class GGUFWeights:
         self.tensors = tensors
         self._dtype = dtype
         self.quantized = quantized
+        # Packed tables by prefix: a tied LM head multiplies by the embedding's own blocks.
+        self._tables: dict[str, QuantizedEmbedding] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,6 +125,8 @@ class GGUFWeights:
         return self.vector(name) if name in self.tensors else None
 
     def linear(self, prefixes: Sequence[str]) -> nn.Module:
+        if len(prefixes) == 1 and (table := self._tables.get(prefixes[0])) is not None:
+            return QuantizedLinear(table.weights, None)
         parts = [self.tensors[f"{p}.weight"] for p in prefixes]
         biases = [self.optional_vector(f"{p}.bias") for p in prefixes]
         if self.quantized and (layer := quantized_linear(parts, biases)) is not None:
@@ -127,6 +136,7 @@ class GGUFWeights:
     def embedding(self, prefix: str) -> nn.Module:
         table = self.tensors[f"{prefix}.weight"]
         if self.quantized and (layer := quantized_embedding(table)) is not None:
+            self._tables[prefix] = layer
             return layer
         return DenseEmbedding(self._dense(table))
 

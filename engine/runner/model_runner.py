@@ -14,34 +14,58 @@ from transformers import PreTrainedModel
 from engine.attention.step_inputs import AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.models.forward import ModelForward, TransformersForward
+from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
+from engine.models.model_loader import LoadedModel
+from engine.models.weight_sources import GGUFWeights
 from engine.runner.decode_graphs import DecodeGraphs, GraphCapture, width_bucket
 from engine.runner.input_batch import InputBatch
 from scheduler import Sequence, StepPlan
 
 
-def model_forward_for(model: torch.nn.Module, impl: str = "auto") -> ModelForward:
+def model_forward_for(
+    loaded: LoadedModel, impl: str = "auto", quantization: str = "none"
+) -> ModelForward:
     """The forward every step (and the start-up memory profile's dummy step) runs (`impl`,
     `--model-impl`): "jitney", Jitney's own for the Llama family (engine/models/llama.py);
     "transformers", the stock transformers decoder on Jitney's paged attention; "auto", Jitney's
-    where the architecture is covered. Built once per model and kept on it, so engines sharing
-    a loaded model share its forward (and Jitney's shares the transformers model's weights)."""
+    where the architecture is covered. `quantization` "gguf": Jitney's forward on the GGUF
+    file's own blocks (CPU, float32). Built once per loaded model and kept on it, so engines
+    sharing a loaded model share its forward (and Jitney's dense one shares the transformers
+    model's weights)."""
+    model = loaded.model
     why_not = (
         unsupported_because(model.config)
         if isinstance(model, PreTrainedModel)
         else "not a transformers model (noop)"
     )
-    if impl == "jitney" and why_not is not None:
-        raise UnsupportedArchitectureError(f"--model-impl jitney: {why_not}")
-    use_jitney = impl == "jitney" or (impl == "auto" and why_not is None)
+    if (impl == "jitney" or quantization != "none") and why_not is not None:
+        raise UnsupportedArchitectureError(f"Jitney's forward: {why_not}")
+    use_jitney = impl == "jitney" or quantization != "none" or (impl == "auto" and why_not is None)
+    name = f"jitney-{quantization}" if use_jitney else "transformers"
     forwards: dict[str, ModelForward] = model.__dict__.setdefault("_jitney_forwards", {})
-    name = "jitney" if use_jitney else "transformers"
     if name not in forwards:
-        if use_jitney:
-            forwards[name] = LlamaForward.from_transformers(model)
-        else:
+        if not use_jitney:
             forwards[name] = TransformersForward(model)
+        elif quantization == "gguf":
+            forwards[name] = _gguf_forward(loaded)
+        else:
+            forwards[name] = LlamaForward.from_transformers(model)
     return forwards[name]
+
+
+def _gguf_forward(loaded: LoadedModel) -> LlamaForward:
+    """Jitney's forward on the blocks of the GGUF file `loaded` was converted from."""
+    model = loaded.model
+    if loaded.gguf_path is None:
+        raise ValueError(f"quantization gguf needs a GGUF model; {loaded.name} is not one")
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise ValueError(
+            f"quantization gguf runs on the CPU in float32 (the kernels' activations), "
+            f"not {model.device.type} {model.dtype}"
+        )
+    _, tensors = read_gguf_tensors(loaded.gguf_path)
+    return LlamaForward(model.config, GGUFWeights(tensors, torch.float32, quantized=True))
 
 
 class ModelRunner:

@@ -16,7 +16,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     # Every default is EngineConfig's own field (its batching fields are SchedulerConfig's), so a
     # bare Engine and `jitney worker` without flags cannot disagree. Imported here, not at the
     # top: importing this module alone loads nothing of the engine.
-    from engine.config import DECODE_ATTENTION, MODEL_IMPLS, EngineConfig
+    from engine.config import DECODE_ATTENTION, MODEL_IMPLS, QUANTIZATIONS, EngineConfig
 
     engine = field_defaults(EngineConfig)
     g = p.add_argument_group("engine")
@@ -108,6 +108,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "architecture is covered, else transformers",
     )
     g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=engine["quantization"],
+        help="gguf: keep a GGUF model's own 4/8-bit blocks (Q4_1, Q8_0) and multiply them with "
+        "Jitney's CPU kernels (float32 activations; Jitney's forward, CPU); none: dense weights "
+        "in --dtype",
+    )
+    g.add_argument(
         "--cache-dir", default=engine["cache_dir"], help="converted-model cache (JITNEY_CACHE_DIR)"
     )
 
@@ -133,6 +141,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         enforce_eager=args.enforce_eager,
         decode_attention=args.decode_attention,
         model_impl=args.model_impl,
+        quantization=args.quantization,
         cache_dir=args.cache_dir,
         noop_step_ms=args.noop_step_ms,
     )

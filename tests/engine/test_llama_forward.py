@@ -9,6 +9,7 @@ from transformers import GPT2Config, LlamaConfig
 
 from engine.attention.step_inputs import AttentionMetadata
 from engine.kv_cache import PagedKVCache
+from engine.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from engine.models.forward import TransformersForward
 from engine.models.gguf_weights import read_gguf_tensors, rotary_row_order
 from engine.models.llama import (
@@ -20,7 +21,7 @@ from engine.models.model_loader import LoadedModel, load_model, smollm2_gguf_pat
 from engine.models.weight_sources import GGUFWeights, StateDictWeights
 from engine.runner.model_runner import model_forward_for
 from generation import SamplingParams
-from tests.engine.engine_helpers import make_engine
+from tests.engine.engine_helpers import assert_teacher_forced, chat, make_engine
 from tests.engine.test_paged_attention import (
     FAMILIES,
     TINY,
@@ -179,13 +180,13 @@ def test_smollm2_from_gguf_matches_transformers(smollm2_gguf, smollm2) -> None:
 def test_model_impl_picks_the_forward(loaded: LoadedModel) -> None:
     """auto: Jitney's forward for a covered family, transformers' elsewhere (noop); jitney on an
     uncovered model is refused by name; the forward is built once per loaded model."""
-    assert isinstance(model_forward_for(loaded.model, "auto"), LlamaForward)
-    assert model_forward_for(loaded.model, "jitney") is model_forward_for(loaded.model, "auto")
-    assert isinstance(model_forward_for(loaded.model, "transformers"), TransformersForward)
+    assert isinstance(model_forward_for(loaded, "auto"), LlamaForward)
+    assert model_forward_for(loaded, "jitney") is model_forward_for(loaded, "auto")
+    assert isinstance(model_forward_for(loaded, "transformers"), TransformersForward)
     noop = load_model("noop")
-    assert isinstance(model_forward_for(noop.model, "auto"), TransformersForward)
+    assert isinstance(model_forward_for(noop, "auto"), TransformersForward)
     with pytest.raises(UnsupportedArchitectureError, match="noop"):
-        model_forward_for(noop.model, "jitney")
+        model_forward_for(noop, "jitney")
 
 
 def test_both_impls_generate_the_same_tokens(loaded: LoadedModel) -> None:
@@ -202,3 +203,51 @@ def test_both_impls_generate_the_same_tokens(loaded: LoadedModel) -> None:
         engine = make_engine(loaded, model_impl=impl, max_num_batched_tokens=32)
         results[impl] = [[r.token_ids for r in engine.generate(prompts, p)] for p in params]
     assert results["jitney"] == results["transformers"]
+
+
+def resident_weight_bytes(forward: LlamaForward) -> int:
+    """Bytes the forward keeps for its weights: packed blocks plus dense tensors."""
+    kinds = QuantizedLinear | QuantizedEmbedding
+    packed = {id(m.weights): m.weights for m in forward.modules() if isinstance(m, kinds)}
+    dense = {id(p): p for p in forward.parameters()}  # a tied table counts once
+    return sum(w.nbytes for w in packed.values()) + sum(
+        p.numel() * p.element_size() for p in dense.values()
+    )
+
+
+def test_smollm2_on_its_own_blocks(smollm2_gguf, smollm2) -> None:
+    """Kept in the file's Q4_1/Q8_0 blocks, SmolLM2 gives the dequantized model's logits (the
+    same weights: only the order of float32 sums differs), within 1.3x the file's bytes."""
+    _, tensors = smollm2_gguf
+    config = smollm2.model.config
+    packed = LlamaForward(config, GGUFWeights(tensors, torch.float32, quantized=True))
+    dense = LlamaForward(config, GGUFWeights(tensors, torch.float32, quantized=False))
+    assert isinstance(packed.layers[0].qkv, QuantizedLinear)
+    assert isinstance(packed.embed, QuantizedEmbedding)
+    toks = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(0))
+    got, want = [], []
+    for forward, out in ((packed, got), (dense, want)):
+        cache = make_cache(config, block_size=16, num_blocks=8)
+        meta = AttentionMetadata.build([(0, 40, [3, 1, 5])], cache)
+        meta.logits_indices = torch.arange(40)
+        out.append(forward(toks, None, meta, cache))
+    assert (got[0] - want[0]).abs().max().item() < 2e-3
+    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
+    file_bytes = smollm2_gguf_path().stat().st_size
+    assert resident_weight_bytes(packed) <= 1.3 * file_bytes
+
+
+def test_engine_on_gguf_blocks_follows_transformers_greedy(smollm2) -> None:
+    """`--quantization gguf`: greedy tokens are the transformers model's argmax, teacher-forced,
+    up to near-ties (the near-tie rule)."""
+    engine = make_engine(smollm2, quantization="gguf", kv_cache_memory="64MiB")
+    prompt = chat(smollm2, "What is the capital of France?")
+    (result,) = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    assert len(result.token_ids) > 4
+    assert_teacher_forced(smollm2, prompt, result.token_ids)
+
+
+def test_gguf_quantization_needs_a_gguf_model(loaded: LoadedModel) -> None:
+    """Asking for the file's blocks of a model that has no file is refused, saying why."""
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        model_forward_for(loaded, "auto", "gguf")

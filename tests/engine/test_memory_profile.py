@@ -22,7 +22,7 @@ def _spec(loaded: LoadedModel) -> KVCacheSpec:
 
 
 def _forward(loaded: LoadedModel) -> ModelForward:
-    return model_forward_for(loaded.model)
+    return model_forward_for(loaded)
 
 
 @pytest.mark.parametrize(("tokens", "seqs"), [(512, 64), (40, 4), (3, 8), (1, 1)])

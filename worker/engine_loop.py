@@ -38,6 +38,7 @@ from worker.metrics import WorkerMetrics
 from worker.redis_backoff import RedisBackoff
 from worker.redis_io import Entry, EntryRef, WorkerRedis
 from worker.request_book import RequestBook
+from worker.service_config import ServiceConfig
 from worker.takeover import Takeover
 
 logger = logging.getLogger("jitney.worker")
@@ -49,29 +50,6 @@ WAITING_POLL_MS = 5
 # This many failed steps in a row (none succeeding in between) and the worker exits non-zero:
 # the device is broken, not a request (a poison request fails at most MAX_DELIVERIES times).
 MAX_CONSECUTIVE_STEP_FAILURES = 10
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceConfig:
-    worker_id: str
-    idle_block_ms: int = 1000
-    shutdown_timeout_s: float = 30.0
-    # The heartbeat thread stops renewing the lease when the loop has not come round for this
-    # long (a hung step): other workers then take its requests over. Longer than any real step.
-    stall_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not self.worker_id or any(c.isspace() for c in self.worker_id):
-            raise ValueError(f"worker id must be non-empty without spaces, got {self.worker_id!r}")
-        if not 1 <= self.idle_block_ms <= 60_000:
-            raise ValueError(f"idle_block_ms must be in [1, 60000], got {self.idle_block_ms}")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
-        if self.stall_timeout_s <= self.idle_block_ms / 1000:
-            raise ValueError(
-                f"stall_timeout ({self.stall_timeout_s} s) must exceed the idle block "
-                f"({self.idle_block_ms} ms): an idle worker would look hung"
-            )
 
 
 @dataclass(slots=True)

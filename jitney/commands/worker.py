@@ -25,6 +25,9 @@ METRICS_PORT = 9100  # `jitney up` gives worker i this + i
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from worker.service_config import ServiceConfig  # no torch: flag parsing stays light
+
+    service = field_defaults(ServiceConfig)
     p.add_argument(
         "--worker-id",
         default=None,
@@ -50,19 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--idle-block-ms",
         type=int,
-        default=1000,
+        default=service["idle_block_ms"],
         help="how long an idle worker blocks on the request stream per read",
     )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=service["shutdown_timeout_s"],
         help="seconds a stopping worker gives in-flight requests before aborting them",
     )
     p.add_argument(
         "--stall-timeout",
         type=float,
-        default=60.0,
+        default=service["stall_timeout_s"],
         help="seconds without the engine loop coming round (a hung step) after which the worker "
         "stops renewing its lease, so other workers take its requests over",
     )
@@ -85,11 +88,12 @@ def run(args: argparse.Namespace) -> int:
     from engine.llm_engine import Engine
     from protocol import NOOP_MODEL, redacted, redis_url
     from protocol.model_card import card_from_tokenizer
-    from worker.engine_loop import ServiceConfig, StepFailuresExceeded, WorkerService
+    from worker.engine_loop import StepFailuresExceeded, WorkerService
     from worker.failpoints import Failpoints
     from worker.log_fields import kv
     from worker.metrics import WorkerMetrics
     from worker.redis_io import WorkerRedis
+    from worker.service_config import ServiceConfig
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     try:

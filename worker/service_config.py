@@ -1,0 +1,29 @@
+"""The worker loop's own settings (the engine's are EngineConfig's): one frozen dataclass,
+validated on construction, importable without the engine (the command line reads its defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    worker_id: str
+    idle_block_ms: int = 1000
+    shutdown_timeout_s: float = 30.0
+    # The heartbeat thread stops renewing the lease when the loop has not come round for this
+    # long (a hung step): other workers then take its requests over. Longer than any real step.
+    stall_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or any(c.isspace() for c in self.worker_id):
+            raise ValueError(f"worker id must be non-empty without spaces, got {self.worker_id!r}")
+        if not 1 <= self.idle_block_ms <= 60_000:
+            raise ValueError(f"idle_block_ms must be in [1, 60000], got {self.idle_block_ms}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.stall_timeout_s <= self.idle_block_ms / 1000:
+            raise ValueError(
+                f"stall_timeout ({self.stall_timeout_s} s) must exceed the idle block "
+                f"({self.idle_block_ms} ms): an idle worker would look hung"
+            )

@@ -151,7 +151,9 @@ class GenerationFields(BaseModel):
 
     @property
     def num_logprobs(self) -> int | None:
-        """Log-probs asked for: alternatives per token (0: the chosen token's only)."""
+        """Log-probs asked for: alternatives per token (0: the chosen token's only). Each
+        route's model answers from its own fields (request_models.py: completions' `logprobs`,
+        chat's `logprobs` + `top_logprobs`)."""
         raise NotImplementedError
 
     @cached_property

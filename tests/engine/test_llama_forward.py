@@ -29,6 +29,7 @@ from tests.engine.test_paged_attention import (
     make_cache,
     make_models,
     rand_tokens,
+    run_step,
 )
 
 # The fused projections add in another order than three separate ones may: float32 rounding.
@@ -48,24 +49,10 @@ def both_steps(
     caches: tuple[PagedKVCache, PagedKVCache],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One packed step through each model (each on its own pool), logits of every new token."""
-    out = []
-    for cache, forward in zip(caches, ("jitney", "transformers"), strict=True):
-        meta = AttentionMetadata.build([(s, n, t) for _, s, n, t in entries], cache)
-        meta.logits_indices = torch.arange(meta.num_tokens)
-        ids = torch.tensor([tok for toks, s, n, _ in entries for tok in toks[s : s + n]])
-        if forward == "jitney":
-            out.append(jitney(ids, None, meta, cache))
-        else:
-            with torch.inference_mode():
-                logits = paged(
-                    input_ids=ids[None],
-                    position_ids=meta.positions[None],
-                    use_cache=False,
-                    attn_metadata=meta,
-                    kv_cache=cache,
-                ).logits[0]
-            out.append(logits)
-    return out[0], out[1]
+    meta = AttentionMetadata.build([(s, n, t) for _, s, n, t in entries], caches[0])
+    meta.logits_indices = torch.arange(meta.num_tokens)
+    ids = torch.tensor([tok for toks, s, n, _ in entries for tok in toks[s : s + n]])
+    return jitney(ids, None, meta, caches[0]), torch.cat(run_step(paged, caches[1], entries))
 
 
 @pytest.mark.parametrize(("family", "overrides"), CASES, ids=lambda c: str(c))

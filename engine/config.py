@@ -11,14 +11,15 @@ from scheduler.config import SCHEDULER_DEFAULTS as SCHED
 if TYPE_CHECKING:  # torch loads with the engine, not with the command line's flag parsing
     import torch
 
-DECODE_ATTENTION = ("auto", "triton", "gather")
+DECODE_ATTENTION = ("auto", "triton", "native", "gather")
 # Which forward runs the model (vLLM's name): Jitney's own for the Llama family
 # (engine/models/llama.py), transformers' model on Jitney's paged attention, or auto: Jitney's
 # where the architecture is covered, transformers' elsewhere.
 MODEL_IMPLS = ("auto", "jitney", "transformers")
 # How Jitney's forward keeps the weights: "none", dense in --dtype; "gguf", the GGUF file's own
-# 4- and 8-bit blocks (Q4_1, Q8_0) multiplied by Jitney's CPU kernels with float32 activations.
-QUANTIZATIONS = ("none", "gguf")
+# 4- and 8-bit blocks (Q4_1, Q8_0) multiplied by Jitney's CPU kernels with float32 activations;
+# "int8", Q8_0 blocks made at load from any covered model's dense weights, the same kernels.
+QUANTIZATIONS = ("none", "gguf", "int8")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -74,7 +75,8 @@ class EngineConfig:
             )
         if self.quantization != "none" and self.model_impl == "transformers":
             raise ValueError(
-                "quantization gguf runs on Jitney's forward, not --model-impl transformers"
+                f"quantization {self.quantization} runs on Jitney's forward, "
+                "not --model-impl transformers"
             )
         if self.noop_step_ms < 0:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")

@@ -113,13 +113,14 @@ class PagedKVCache:
         spec: KVCacheSpec,
         num_blocks: int,
         device: torch.device | str = "cpu",
-        decode_kernel: bool = False,
+        decode_kernel: str | None = None,
     ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        # Decode tokens attend in place (engine/attention/triton_decode.py), not via read_blocks.
+        # The kernel decode tokens attend through in place, not via read_blocks: "triton"
+        # (engine/attention/triton_decode.py), "native" (the C++ CPU kernel), None: gathered.
         self.decode_kernel = decode_kernel
         self.device = torch.device(device)
         # [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]; zeros so that reads of
@@ -194,6 +195,12 @@ class PagedKVCache:
     @property
     def block_size(self) -> int:
         return self.spec.block_size
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """Every layer's K and V in one tensor, ``[layers, 2, blocks, block_size, kv_heads, d]``
+        (for a kernel that walks all the layers itself)."""
+        return self._storage
 
     @property
     def num_slots(self) -> int:

@@ -89,8 +89,8 @@ class Engine:
 
     @property
     def decode_attention(self) -> str:
-        """What decode tokens attend through: "triton" (in place) or "gather"."""
-        return "triton" if self.kv_cache.decode_kernel else "gather"
+        """What decode tokens attend through: "triton" or "native" (in place), or "gather"."""
+        return self.kv_cache.decode_kernel or "gather"
 
     @property
     def decode_kernel_unused_because(self) -> str | None:

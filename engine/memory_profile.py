@@ -43,7 +43,7 @@ def run_largest_step(
     spec: KVCacheSpec,
     num_tokens: int,
     num_seqs: int,
-    decode_kernel: bool = False,
+    decode_kernel: str | None = None,
 ) -> None:
     """One dummy step of the largest shape on a scratch pool (freed on return), through the
     model's forward and the decode attention the engine will use."""
@@ -62,7 +62,7 @@ def step_peak_bytes(
     spec: KVCacheSpec,
     num_tokens: int,
     num_seqs: int,
-    decode_kernel: bool = False,
+    decode_kernel: str | None = None,
 ) -> int | None:
     """Bytes the largest step allocates beyond what was allocated before it (CUDA); None on a
     device without allocator statistics (the step still runs, so its shapes are checked)."""

@@ -65,8 +65,8 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
 
 def _decode_attention(
     config: EngineConfig, device: torch.device, model: torch.nn.Module, spec: KVCacheSpec
-) -> tuple[bool, str | None]:
-    """Whether decode tokens attend through the Triton kernel, and if not, why not."""
+) -> tuple[str | None, str | None]:
+    """The in-place kernel decode tokens attend through (None: gathered), and if none, why."""
     shape = DecodeShape(
         getattr(model.config, "num_attention_heads", spec.num_kv_heads),
         spec.num_kv_heads,
@@ -85,7 +85,7 @@ def _step_peak(
     loaded: LoadedModel,
     forward: ModelForward,
     spec: KVCacheSpec,
-    decode_kernel: bool,
+    decode_kernel: str | None,
     use_graphs: bool,
 ) -> int | None:
     """What the largest step needs beside the cache, measured, and what decode graphs keep:

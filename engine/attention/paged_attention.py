@@ -13,9 +13,11 @@ untouched to ``paged_attention_forward`` in every layer. That function writes th
   batch would otherwise compute (short sequences padded to the longest one);
 - longer chunks one by one: SDPA with ``is_causal`` when the chunk starts at position 0 (its own
   fresh K/V are the whole context), else an explicit ``[n, keys]`` mask over its blocks.
-With ``PagedKVCache.decode_kernel`` (on CUDA by default, `--decode-attention`), decode tokens
-instead attend in place through a Triton kernel (engine/attention/triton_decode.py), all in one
-group and with no block copied; prefill chunks stay as above.
+With ``PagedKVCache.decode_kernel`` (`--decode-attention`), decode tokens instead attend in place,
+all in one group and with no block copied: through a Triton kernel on CUDA
+(engine/attention/triton_decode.py), through the C++ kernel on the CPU
+(engine/attention/native_decode.py); prefill chunks stay as above. `attend` is the part after
+the K/V write, for a forward that writes the cache itself (engine/models/llama.py).
 Everything index-shaped is built once per step in ``AttentionMetadata.build``
 (engine/attention/step_inputs.py) and shared by layers.
 
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from engine.attention.native_decode import native_decode_attention
 from engine.attention.step_inputs import AttentionMetadata
 from engine.attention.triton_decode import paged_decode_attention
 from engine.kv_cache import PagedKVCache
@@ -61,23 +64,35 @@ def paged_attention_forward(
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     window = None if window is None else int(window)  # type: ignore[call-overload]
     layer = module.layer_idx
-    # [T, kv_heads, d] views of this step's fresh K/V
-    cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d] views
+    cache.write(layer, meta.slot_mapping, keys, values)
+    out = attend(meta, cache, layer, query[0].transpose(0, 1), keys, values, scaling, window)
+    return out.unsqueeze(0), None
 
-    _, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads = key.shape[1]
+
+def attend(
+    meta: AttentionMetadata,
+    cache: PagedKVCache,
+    layer: int,
+    queries: torch.Tensor,  # [T, heads, d]
+    keys: torch.Tensor,  # [T, kv_heads, d]: this step's, already written to the cache
+    values: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """[T, heads, d]: every token of the step attending its own sequence's context."""
+    num_tokens, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
     groups = num_heads // num_kv_heads
-    out = query.new_empty(num_tokens, num_heads, head_dim)
-
-    queries = query[0].transpose(0, 1)  # [T, heads, d]
+    out = queries.new_empty(num_tokens, num_heads, head_dim)
     decode = _decode_in_place if cache.decode_kernel else _decode_gathered
     decode(meta, cache, layer, queries, out, scaling, window)
 
     for i, c in enumerate(meta.prefills):
-        q = query[:, :, c.q_start : c.q_end]  # [1, heads, n, d]
+        q = queries[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if c.blocks is None:  # start == 0: the context is exactly this chunk's fresh K/V
-            k = key[:, :, c.q_start : c.q_end].to(meta.mask_dtype)
-            v = value[:, :, c.q_start : c.q_end].to(meta.mask_dtype)
+            k = keys[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0).to(meta.mask_dtype)
+            v = values[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0).to(meta.mask_dtype)
         else:
             k, v = cache.read_blocks(layer, c.blocks)
             k = k.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
@@ -96,7 +111,7 @@ def paged_attention_forward(
             enable_gqa=k.shape[1] != num_heads,
         )
         out[c.q_start : c.q_end] = o[0].transpose(0, 1).to(out.dtype)
-    return out.unsqueeze(0), None
+    return out
 
 
 def sdpa_takes_gqa(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -148,11 +163,12 @@ def _decode_in_place(
     scaling: float | None,
     window: int | None,
 ) -> None:
-    """Every decode group through the Triton kernel: K/V read where they lie."""
+    """Every decode group through the in-place kernel: K/V read where they lie."""
     scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
+    kernel = native_decode_attention if cache.decode_kernel == "native" else paged_decode_attention
     for group in meta.decodes:
         rows = out[group.rows] if isinstance(group.rows, slice) else None  # a view: no copy
-        o = paged_decode_attention(
+        o = kernel(
             queries[group.rows],
             cache.key_cache[layer],
             cache.value_cache[layer],

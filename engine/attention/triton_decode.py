@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from engine.attention import native_decode
+
 TILE = 64  # token positions per loop iteration
 MIN_DOT_ROWS = 16  # tl.dot's smallest M
 
@@ -195,18 +197,24 @@ def self_check(device: torch.device, shape: DecodeShape) -> str | None:
 
 def resolve_decode_attention(
     choice: str, device: torch.device, shape: DecodeShape
-) -> tuple[bool, str | None]:
-    """EngineConfig.decode_attention resolved: (use the kernel, why not). "auto" takes the
-    kernel on CUDA when it can run and passes its self-check; "triton" refuses to start without
-    it; "gather" never uses it."""
+) -> tuple[str | None, str | None]:
+    """EngineConfig.decode_attention resolved: (the in-place kernel or None for gather, why
+    none). "auto" takes Triton on CUDA when it runs and passes its self-check, the native C++
+    kernel on a CPU where it serves the pool (engine/attention/native_decode.py); "triton" and
+    "native" refuse to start without theirs; "gather" never uses one."""
     if choice == "gather":
-        return False, None
+        return None, None
+    if choice == "native" or (choice == "auto" and device.type == "cpu"):
+        why = native_decode.unavailable_because(device, shape.dtype, shape.head_dim)
+        if choice == "native" and why is not None:
+            raise ValueError(f"--decode-attention native: {why}")
+        return (None, why) if why is not None else ("native", None)
     if choice == "auto" and device.type != "cuda":  # (without importing Triton: a worker's start)
-        return False, "auto takes the kernel on CUDA only"
+        return None, "auto takes an in-place kernel on CUDA and on the CPU only"
     why = unavailable_because(device, shape) or self_check(device, shape)
     if choice == "triton" and why is not None:
         raise ValueError(f"--decode-attention triton: {why}")
-    return why is None, why
+    return (None, why) if why is not None else ("triton", None)
 
 
 def paged_decode_attention(

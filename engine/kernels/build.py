@@ -14,6 +14,7 @@ implementation (engine/kernels/reference.py); `kernel_backend()` says which and 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -27,12 +28,13 @@ import torch
 
 LIBRARY_NAME = "jitney_quant_kernels"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "quant_linear.cpp",)  # compiled
-HEADERS = (CSRC / "blocks.h",)  # included: part of the hash too
+SOURCES = tuple(CSRC / f for f in ("quant_linear.cpp", "layer_ops.cpp", "decode_layers.cpp"))
+HEADERS = (CSRC / "blocks.h", CSRC / "ops.h")  # included: part of the hash too
 # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, it runs on one thread. The
 # library then shares torch's own libgomp (same soname, already loaded), so one thread pool.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+logger = logging.getLogger("jitney.engine.kernels")
 KERNELS_ENV = "JITNEY_KERNELS"  # "reference" forces the pure-torch path
 CACHE_ENV = "JITNEY_CACHE_DIR"
 
@@ -103,7 +105,9 @@ def load_native() -> KernelBackend:
             if library.exists():
                 how = "loaded from cache"
             else:
+                logger.info("building Jitney's CPU kernels once, into %s", target_dir)
                 how = f"built in {_build_into(library):.1f} s"
+                logger.info("CPU kernels %s", how)
                 return KernelBackend("avx2", how, library)  # the build already loaded it
         torch.ops.load_library(str(library))
     except Exception as exc:  # a failed build must leave the engine running, on the reference
@@ -111,9 +115,9 @@ def load_native() -> KernelBackend:
         error = next((ln.strip() for ln in lines if "error:" in ln), lines[0])[:200]
         log = target_dir / "build.log"
         where = f"; log in {log}" if log.exists() else ""
-        return KernelBackend(
-            "reference", f"the C++ kernels failed to build or load: {error}{where}"
-        )
+        reason = f"the C++ kernels failed to build or load: {error}{where}"
+        logger.warning("%s (the pure-torch reference runs instead)", reason)
+        return KernelBackend("reference", reason)
     return KernelBackend("avx2", how, library)
 
 

@@ -2,8 +2,11 @@
 
 Each op is defined here once. Its pure-torch reference is registered for every device
 (CompositeExplicitAutograd); the C++ library, when `ensure_backend()` manages to load it, adds a
-CPU kernel, which the dispatcher prefers. The fake implementations give torch.compile the output
-shapes, so the ops stay opaque (one node each) in a compiled graph. `panel_min_tokens` is the
+CPU kernel, which the dispatcher prefers. The linears serve the quantized layers
+(engine/layers/quantized.py); the rest are the per-layer steps of Jitney's CPU forward
+(engine/models/llama.py) and its in-place decode attention (engine/attention/paged_attention.py).
+The fake implementations give torch.compile the output shapes, so the ops stay opaque (one node
+each) in a compiled graph. `panel_min_tokens` is the
 token count from which a linear dequantizes panels of rows for sgemm instead of running the fused
 kernel (engine/kernels/packed_weights.py holds the measured defaults).
 """
@@ -17,17 +20,35 @@ import torch
 from engine.kernels import reference
 from engine.kernels.build import KernelBackend, load_native
 
-# name -> arguments; every op returns one new float32 tensor.
+# name -> schema without the name. The linears and the embedding make new tensors; a name
+# ending in "_" also writes into the arguments marked (a!)/(b!), as torch's in-place ops do.
 SCHEMAS = {
-    "q4_1_linear": "Tensor x, Tensor qs, Tensor d, Tensor m, int panel_min_tokens",
-    "q8_0_linear": "Tensor x, Tensor qs, Tensor d, int panel_min_tokens",
-    "q8_0_embedding": "Tensor ids, Tensor qs, Tensor d",
+    "q4_1_linear": "(Tensor x, Tensor qs, Tensor d, Tensor m, int panel_min_tokens) -> Tensor",
+    "q8_0_linear": "(Tensor x, Tensor qs, Tensor d, int panel_min_tokens) -> Tensor",
+    "q8_0_embedding": "(Tensor ids, Tensor qs, Tensor d) -> Tensor",
+    "rms_norm": "(Tensor x, Tensor w, float eps) -> Tensor",
+    "add_rms_norm_": "(Tensor(a!) x, Tensor r, Tensor w, float eps) -> Tensor",
+    "silu_mul": "(Tensor gu) -> Tensor",
+    "rope_write_kv_": (
+        "(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) key_slots, "
+        "Tensor(b!) value_slots, int num_heads, int num_kv_heads, Tensor? q_norm, "
+        "Tensor? k_norm, float eps) -> Tensor"
+    ),
+    "paged_decode_": (
+        "(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor ctx_lens, float scale, int window, Tensor(a!) out) -> ()"
+    ),
+    "llama_decode_layers_": (
+        "(Tensor(a!) x, Tensor[] tensors, int[] matrices, Tensor cos, Tensor sin, Tensor slots, "
+        "Tensor(b!) kv, Tensor block_tables, Tensor ctx_lens, int num_heads, int num_kv_heads, "
+        "float eps, int[] windows) -> ()"
+    ),
 }
 
 # FRAGMENT: other modules may add their own jitney:: ops.
 _LIB = torch.library.Library("jitney", "FRAGMENT")
-for _name, _args in SCHEMAS.items():
-    _LIB.define(f"{_name}({_args}) -> Tensor")
+for _name, _schema in SCHEMAS.items():
+    _LIB.define(f"{_name}{_schema}")
     _LIB.impl(_name, getattr(reference, _name), "CompositeExplicitAutograd")
 
 
@@ -44,6 +65,53 @@ def _q8_0_linear_fake(x, qs, d, panel_min_tokens):
 @torch.library.register_fake("jitney::q8_0_embedding")
 def _q8_0_embedding_fake(ids, qs, d):
     return d.new_empty(*ids.shape, qs.shape[1])
+
+
+@torch.library.register_fake("jitney::rms_norm")
+def _rms_norm_fake(x, w, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("jitney::add_rms_norm_")
+def _add_rms_norm_fake(x, r, w, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("jitney::silu_mul")
+def _silu_mul_fake(gu):
+    return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+
+
+@torch.library.register_fake("jitney::rope_write_kv_")
+def _rope_write_kv_fake(
+    qkv, cos, sin, slots, key_slots, value_slots, num_heads, num_kv_heads, q_norm, k_norm, eps
+):
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    return qkv.new_empty(qkv.shape[0], num_heads + num_kv_heads, head_dim)
+
+
+@torch.library.register_fake("jitney::paged_decode_")
+def _paged_decode_fake(q, key_cache, value_cache, block_tables, ctx_lens, scale, window, out):
+    return None
+
+
+@torch.library.register_fake("jitney::llama_decode_layers_")
+def _llama_decode_layers_fake(
+    x,
+    tensors,
+    matrices,
+    cos,
+    sin,
+    slots,
+    kv,
+    block_tables,
+    ctx_lens,
+    num_heads,
+    num_kv_heads,
+    eps,
+    windows,
+):
+    return None
 
 
 @functools.cache

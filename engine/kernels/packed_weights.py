@@ -151,6 +151,20 @@ class Q8_0Weights(_RowBlocks):
             d=_f16_to_f32(raw[..., 0:2]),
         )
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Self:
+        """Q8_0 blocks of a dense [N, K] matrix (K a multiple of 32), as gguf makes them: per
+        block of 32, d = max |w| / 127 and q = round(w / d); d is kept in float32 here (the
+        file's f16 would round it once more)."""
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"Q8_0 needs K a multiple of {BLOCK}, got {k}")
+        blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+        d = blocks.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        qs = (blocks * inv.unsqueeze(-1)).round().clamp_(-127, 127).to(torch.int8)
+        return cls(qs=qs.reshape(n, k).contiguous(), d=d.contiguous())
+
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], equal bit for bit to gguf.quants.dequantize."""
         return reference.q8_0_dequantize(self.qs, self.d)

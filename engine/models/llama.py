@@ -8,14 +8,21 @@ norm per head, rotary embeddings (angles made once per step), paged attention, t
 projection, RMSNorm, one fused gate/up projection, SiLU-and-multiply, the down projection, and
 the residual adds. Only the rows whose logits are wanted reach the final norm and the LM head.
 
+Two ways to run a layer, the same computation: in plain torch ops (`fused_ops=False`, the exact
+mode: bit for bit the rounding of the transformers model on the same weights) or through the
+jitney:: layer ops (engine/kernels/ops.py: one op per norm, per residual add and norm, per
+rotary-and-cache-write, per SiLU-and-multiply), which cut a layer's dispatch from about sixty
+torch ops to about ten; float32 on the CPU, for the quantized path, whose weights already differ
+from the dense model's.
+
 The model code says what is computed; how a projection stores its weights is its layer's business
-(engine/layers/linear.py). The transformers model of the same family stays the reference: the
+(engine/layers/). The transformers model of the same family stays the reference: the
 parity tests compare the two on the same weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention.paged_attention import paged_attention_forward
+from engine.attention.paged_attention import attend, paged_attention_forward
 from engine.attention.step_inputs import AttentionMetadata
+from engine.kernels import Q4_1Weights, Q8_0Weights
+from engine.kernels.reference import MATRIX_KINDS
 from engine.kv_cache import PagedKVCache
+from engine.layers.quantized import QuantizedLinear
 from engine.models.weight_sources import StateDictWeights, WeightSource
 
 # transformers model_type values this forward covers (each checked against its transformers
@@ -200,12 +210,53 @@ class LlamaLayer(nn.Module):
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
+    def attention_fused(
+        self,
+        h: torch.Tensor,  # [T, hidden], the normed residual
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """The attention block through the jitney:: ops: its output projection, [T, hidden]."""
+        s, layer = self.shape, self.site.layer_idx
+        num_tokens = h.shape[0]
+        qkv = self.qkv(h)
+        qk = torch.ops.jitney.rope_write_kv_(
+            qkv,
+            cos,
+            sin,
+            meta.slot_mapping,
+            kv_cache.key_slots[layer],
+            kv_cache.value_slots[layer],
+            s.num_heads,
+            s.num_kv_heads,
+            self.q_norm,
+            self.k_norm,
+            s.rms_norm_eps,
+        )
+        v = qkv.view(num_tokens, -1, s.head_dim)[:, s.num_heads + s.num_kv_heads :]
+        out = attend(
+            meta,
+            kv_cache,
+            layer,
+            qk[:, : s.num_heads],
+            qk[:, s.num_heads :],
+            v,
+            s.head_dim**-0.5,
+            self.site.sliding_window,
+        )
+        return self.o(out.view(num_tokens, s.num_heads * s.head_dim))
+
+    def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.ops.jitney.silu_mul(self.gate_up(h)))
+
 
 class LlamaForward(nn.Module):
     """A Llama-family decoder as one `ModelForward` (engine/models/forward.py): packed ids in,
     logits of the metadata's rows out."""
 
-    def __init__(self, config: Any, weights: WeightSource):
+    def __init__(self, config: Any, weights: WeightSource, fused_ops: bool = False):
         super().__init__()
         why = unsupported_because(config)
         if why is not None:
@@ -232,6 +283,12 @@ class LlamaForward(nn.Module):
         self.lm_head = weights.linear(["model.embed_tokens" if tied else "lm_head"])
         self.rotary = Rotary(config)
         self.dtype = weights.dtype
+        if fused_ops and self.dtype != torch.float32:
+            raise ValueError(f"the jitney:: layer ops run in float32, not {self.dtype}")
+        self.fused_ops = fused_ops
+        # What llama_decode_layers_ takes (every layer of a decode-only step in one C++ call):
+        # built once; None where a layer is not quantized throughout (a dense fallback).
+        self._decode_layers = _decode_layer_tensors(self.layers) if fused_ops else None
 
     def forward(
         self,
@@ -246,10 +303,59 @@ class LlamaForward(nn.Module):
         with torch.inference_mode():
             x = self.embed(input_ids.reshape(-1))
             cos, sin = self.rotary.angles(pos, x.dtype)
-            for layer in self.layers:
-                x = layer(x, cos, sin, metadata, kv_cache)
+            if self.fused_ops:
+                x = self._layers_fused(x, cos.squeeze(1), sin.squeeze(1), metadata, kv_cache)
+            else:
+                for layer in self.layers:
+                    x = layer(x, cos, sin, metadata, kv_cache)
             x = _rms_norm(x[metadata.logits_indices], self.norm, self.shape.rms_norm_eps)
             return self.lm_head(x)
+
+    def _layers_fused(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Every layer through the jitney:: ops; each residual add is fused with the norm that
+        follows it (the next layer's input norm, across layers), x updated in place. A
+        decode-only step runs them as one jitney::llama_decode_layers_ call: the same ops, in
+        the same order, without Python between them."""
+        ops, s = torch.ops.jitney, self.shape
+        eps = s.rms_norm_eps
+        x = x.contiguous()
+        if self._decode_layers is not None and _decode_only(meta, kv_cache, x.shape[0]):
+            tensors, matrices = self._decode_layers
+            group = meta.decodes[0]
+            ops.llama_decode_layers_(
+                x,
+                tensors,
+                matrices,
+                cos,
+                sin,
+                meta.slot_mapping,
+                kv_cache.pool,
+                group.blocks.view(-1, group.num_blocks),
+                meta.decode_ctx[group.members],
+                s.num_heads,
+                s.num_kv_heads,
+                eps,
+                [w or 0 for w in s.windows],
+            )
+            return x
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            h = ops.add_rms_norm_(
+                x, layer.attention_fused(h, cos, sin, meta, kv_cache), layer.post_norm, eps
+            )
+            r = layer.mlp_fused(h)
+            if i + 1 < len(self.layers):
+                h = ops.add_rms_norm_(x, r, self.layers[i + 1].input_norm, eps)
+            else:
+                x.add_(r)
+        return x
 
     @classmethod
     def from_transformers(cls, model: nn.Module) -> LlamaForward:
@@ -257,3 +363,35 @@ class LlamaForward(nn.Module):
         projections are new tensors, and the transformers model's own Q/K/V and gate/up
         parameters become views of them (same values), so the reference still runs."""
         return cls(model.config, StateDictWeights(dict(model.named_parameters()), share=True))
+
+
+def _decode_only(meta: AttentionMetadata, kv_cache: PagedKVCache, num_tokens: int) -> bool:
+    """Whether every row of the step is one sequence's next token, all attending in place
+    through the native kernel in one group, in row order."""
+    if kv_cache.decode_kernel != "native" or meta.prefills or len(meta.decodes) != 1:
+        return False
+    return meta.decodes[0].rows == slice(0, num_tokens)
+
+
+def _decode_layer_tensors(
+    layers: Sequence[LlamaLayer],
+) -> tuple[list[torch.Tensor], list[int]] | None:
+    """llama_decode_layers_'s `tensors` and `matrices` (engine/kernels/reference.py says the
+    order), or None where some projection is not a quantized layer."""
+    empty = torch.empty(0)
+    tensors: list[torch.Tensor] = []
+    matrices: list[int] = []
+    for layer in layers:
+        tensors += [layer.input_norm, layer.post_norm]
+        tensors += [empty if n is None else n for n in (layer.q_norm, layer.k_norm)]
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not isinstance(linear, QuantizedLinear):
+                return None
+            w = linear.weights
+            m = w.m if isinstance(w, Q4_1Weights) else empty
+            bias = empty if linear.bias is None else linear.bias
+            tensors += [w.qs, w.d, m, bias]
+            kind = "Q4_1" if isinstance(w, Q4_1Weights) else "Q8_0"
+            assert isinstance(w, Q4_1Weights | Q8_0Weights)
+            matrices += [MATRIX_KINDS.index(kind), w.panel_min_tokens]
+    return tensors, matrices

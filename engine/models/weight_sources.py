@@ -4,7 +4,7 @@
 transformers' names; the source decides what a layer keeps. `StateDictWeights` wraps a loaded
 transformers model's tensors (dense, in its dtype). `GGUFWeights` reads a GGUF file's blocks and
 keeps them quantized where a kernel covers the type (engine/layers/quantized.py), or dequantizes
-them to a dense dtype.
+them to a dense dtype. `Int8Weights` turns any dense source's matrices into Q8_0 blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from engine.kernels import Q8_0Weights
 from engine.layers.dense import DenseEmbedding, DenseLinear
 from engine.layers.quantized import (
     QuantizedEmbedding,
@@ -142,3 +143,42 @@ class GGUFWeights:
 
     def _dense(self, tensor: GGUFTensor) -> torch.Tensor:
         return tensor.dequantize().to(self._dtype)
+
+
+class Int8Weights:
+    """Any dense source's projections and embedding table as Q8_0 blocks made at load
+    (`Q8_0Weights.quantize`: int8 per weight, one float32 scale per 32), multiplied through the
+    CPU kernels; vectors (norms, biases) stay as they are. A tied LM head shares the table's
+    blocks, so the weights are held once, in about 1.1 bytes each."""
+
+    def __init__(self, dense: WeightSource):
+        self.dense = dense
+        self._tables: dict[str, QuantizedEmbedding] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dense.dtype
+
+    def has(self, name: str) -> bool:
+        return self.dense.has(name)
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.dense.vector(name)
+
+    def optional_vector(self, name: str) -> torch.Tensor | None:
+        return self.dense.optional_vector(name)
+
+    def linear(self, prefixes: Sequence[str]) -> nn.Module:
+        if len(prefixes) == 1 and (table := self._tables.get(prefixes[0])) is not None:
+            return QuantizedLinear(table.weights, None)
+        parts = [self.dense.vector(f"{p}.weight") for p in prefixes]
+        biases = [self.dense.optional_vector(f"{p}.bias") for p in prefixes]
+        if any(b is not None for b in biases) and any(b is None for b in biases):
+            raise ValueError("a fused projection needs a bias on every part or on none")
+        bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+        return QuantizedLinear(Q8_0Weights.quantize(torch.cat(parts)), bias)
+
+    def embedding(self, prefix: str) -> nn.Module:
+        layer = QuantizedEmbedding(Q8_0Weights.quantize(self.dense.vector(f"{prefix}.weight")))
+        self._tables[prefix] = layer
+        return layer

@@ -256,7 +256,11 @@ class DecodeGraphs:
 
 
 def graph_reserved_bytes(
-    spec: KVCacheSpec, max_batch: int, max_model_len: int, vocab_size: int, decode_kernel: bool
+    spec: KVCacheSpec,
+    max_batch: int,
+    max_model_len: int,
+    vocab_size: int,
+    decode_kernel: str | None,
 ) -> int:
     """What DecodeGraphs keeps allocated beside the KV pool, for the KV budget to leave free:
     the shared logits buffer and, on the gather path, the read workspace."""

@@ -17,7 +17,7 @@ from engine.models.forward import ModelForward, TransformersForward
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
 from engine.models.model_loader import LoadedModel
-from engine.models.weight_sources import GGUFWeights
+from engine.models.weight_sources import GGUFWeights, Int8Weights, StateDictWeights
 from engine.runner.decode_graphs import DecodeGraphs, GraphCapture, width_bucket
 from engine.runner.input_batch import InputBatch
 from scheduler import Sequence, StepPlan
@@ -30,7 +30,8 @@ def model_forward_for(
     `--model-impl`): "jitney", Jitney's own for the Llama family (engine/models/llama.py);
     "transformers", the stock transformers decoder on Jitney's paged attention; "auto", Jitney's
     where the architecture is covered. `quantization` "gguf": Jitney's forward on the GGUF
-    file's own blocks (CPU, float32). Built once per loaded model and kept on it, so engines
+    file's own blocks (CPU, float32); "int8": on Q8_0 blocks made from the dense weights at
+    load (any covered model, CPU, float32). Built once per loaded model and kept on it, so engines
     sharing a loaded model share its forward (and Jitney's dense one shares the transformers
     model's weights)."""
     model = loaded.model
@@ -49,6 +50,8 @@ def model_forward_for(
             forwards[name] = TransformersForward(model)
         elif quantization == "gguf":
             forwards[name] = _gguf_forward(loaded)
+        elif quantization == "int8":
+            forwards[name] = _int8_forward(loaded)
         else:
             forwards[name] = LlamaForward.from_transformers(model)
     return forwards[name]
@@ -59,13 +62,26 @@ def _gguf_forward(loaded: LoadedModel) -> LlamaForward:
     model = loaded.model
     if loaded.gguf_path is None:
         raise ValueError(f"quantization gguf needs a GGUF model; {loaded.name} is not one")
+    _require_cpu_float32(model, "gguf")
+    _, tensors = read_gguf_tensors(loaded.gguf_path)
+    weights = GGUFWeights(tensors, torch.float32, quantized=True)
+    return LlamaForward(model.config, weights, fused_ops=True)
+
+
+def _int8_forward(loaded: LoadedModel) -> LlamaForward:
+    """Jitney's forward on int8 blocks made from the loaded model's own dense weights."""
+    model = loaded.model
+    _require_cpu_float32(model, "int8")
+    dense = StateDictWeights(dict(model.named_parameters()))
+    return LlamaForward(model.config, Int8Weights(dense), fused_ops=True)
+
+
+def _require_cpu_float32(model: PreTrainedModel, quantization: str) -> None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         raise ValueError(
-            f"quantization gguf runs on the CPU in float32 (the kernels' activations), "
-            f"not {model.device.type} {model.dtype}"
+            f"quantization {quantization} runs on the CPU in float32 (the kernels' "
+            f"activations), not {model.device.type} {model.dtype}"
         )
-    _, tensors = read_gguf_tensors(loaded.gguf_path)
-    return LlamaForward(model.config, GGUFWeights(tensors, torch.float32, quantized=True))
 
 
 class ModelRunner:

@@ -96,8 +96,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-attention",
         choices=DECODE_ATTENTION,
         default=engine["decode_attention"],
-        help="decode attention: triton reads K/V in place (CUDA), gather copies blocks then "
-        "runs SDPA (any device); auto: triton on CUDA where it runs, else gather",
+        help="decode attention: triton reads K/V in place (CUDA), native reads them in place "
+        "with Jitney's C++ kernel (CPU, float32), gather copies blocks then runs SDPA (any "
+        "device); auto: triton on CUDA, native on a CPU, where each runs; else gather",
     )
     g.add_argument(
         "--model-impl",
@@ -112,8 +113,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         default=engine["quantization"],
         help="gguf: keep a GGUF model's own 4/8-bit blocks (Q4_1, Q8_0) and multiply them with "
-        "Jitney's CPU kernels (float32 activations; Jitney's forward, CPU); none: dense weights "
-        "in --dtype",
+        "Jitney's CPU kernels (float32 activations; Jitney's forward, CPU); int8: Q8_0 blocks "
+        "made at load from any covered model's weights, the same kernels; none: dense weights "
+        "in --dtype (the exact mode)",
     )
     g.add_argument(
         "--cache-dir", default=engine["cache_dir"], help="converted-model cache (JITNEY_CACHE_DIR)"

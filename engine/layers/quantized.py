@@ -59,12 +59,16 @@ def quantized_linear(
     if len(kinds) != 1 or (packed := _PACKED.get(kinds.pop())) is None:
         return None
     weights = packed.cat([packed.from_gguf_blocks(p.rows(), p.shape) for p in parts])
-    bias = None
-    if any(b is not None for b in biases):
-        if any(b is None for b in biases):
-            raise ValueError("a fused projection needs a bias on every part or on none")
-        bias = torch.cat(list(biases))  # type: ignore[arg-type]
-    return QuantizedLinear(weights, bias)
+    return QuantizedLinear(weights, fused_bias(biases))
+
+
+def fused_bias(biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The parts' biases side by side, as one fused projection's; None when none has one."""
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("a fused projection needs a bias on every part or on none")
+    return torch.cat(list(biases))  # type: ignore[arg-type]
 
 
 def quantized_embedding(table: GGUFTensor) -> QuantizedEmbedding | None:

@@ -20,6 +20,7 @@ from engine.layers.dense import DenseEmbedding, DenseLinear
 from engine.layers.quantized import (
     QuantizedEmbedding,
     QuantizedLinear,
+    fused_bias,
     quantized_embedding,
     quantized_linear,
 )
@@ -173,10 +174,7 @@ class Int8Weights:
             return QuantizedLinear(table.weights, None)
         parts = [self.dense.vector(f"{p}.weight") for p in prefixes]
         biases = [self.dense.optional_vector(f"{p}.bias") for p in prefixes]
-        if any(b is not None for b in biases) and any(b is None for b in biases):
-            raise ValueError("a fused projection needs a bias on every part or on none")
-        bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
-        return QuantizedLinear(Q8_0Weights.quantize(torch.cat(parts)), bias)
+        return QuantizedLinear(Q8_0Weights.quantize(torch.cat(parts)), fused_bias(biases))
 
     def embedding(self, prefix: str) -> nn.Module:
         layer = QuantizedEmbedding(Q8_0Weights.quantize(self.dense.vector(f"{prefix}.weight")))

@@ -11,7 +11,7 @@ from engine.attention.step_inputs import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kernels import Q8_0Weights
 from engine.kv_cache import KVCacheSpec, PagedKVCache
-from engine.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, fused_bias
 from engine.models.llama import LlamaForward, _decode_only
 from engine.models.model_loader import load_model
 from engine.models.weight_sources import Int8Weights, StateDictWeights
@@ -98,3 +98,12 @@ def test_int8_needs_a_cpu_float32_model_and_jitneys_forward():
         model_forward_for(bf16, "auto", "int8")
     with pytest.raises(ValueError, match="quantization int8 runs on Jitney's forward"):
         EngineConfig(quantization="int8", model_impl="transformers")
+
+
+def test_a_fused_projection_takes_a_bias_on_every_part_or_on_none():
+    assert fused_bias([None, None]) is None
+    torch.testing.assert_close(
+        fused_bias([torch.ones(2), torch.zeros(3)]), torch.tensor([1.0, 1, 0, 0, 0])
+    )
+    with pytest.raises(ValueError, match="a bias on every part or on none"):
+        fused_bias([torch.ones(2), None])

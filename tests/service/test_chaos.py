@@ -23,6 +23,7 @@ from tests.services import System, Worker, running_system, start_worker
 pytestmark = pytest.mark.slow
 DURATION_S = float(os.environ.get("JITNEY_CHAOS_S", "32"))
 MAX_TOKENS = 60
+CLIENTS = 16
 SLOW = {"JITNEY_FAILPOINTS": "step_delay_ms=10"}  # requests last long enough to be interrupted
 
 
@@ -49,7 +50,7 @@ async def test_requests_survive_workers_killed_stopped_and_frozen():
                     text, usage = await stream_completion(session, system.base, body, True)
                     results.append((prompt, text, usage))
 
-            clients = [asyncio.create_task(client()) for _ in range(16)]
+            clients = [asyncio.create_task(client()) for _ in range(CLIENTS)]
             try:
                 await _inject_faults(rng, system, workers, names, stop_at)
                 await asyncio.wait_for(asyncio.gather(*clients), 120)
@@ -57,7 +58,9 @@ async def test_requests_survive_workers_killed_stopped_and_frozen():
                 for worker in workers[2:]:  # the replacements (running_system stops the rest)
                     worker.proc.stop()
     ref = load_model(MODEL)
-    assert len(results) > 100
+    # Work through the faults, not a throughput: every client finished several requests. A
+    # count tied to speed (it was "> 100") failed on a day this machine ran 1.6x slower.
+    assert len(results) >= 3 * CLIENTS, len(results)
     for prompt, text, usage in results:
         assert usage.get("completion_tokens") == MAX_TOKENS, usage
         assert_same_greedy_text(ref, prompt, text, want[tuple(prompt)])

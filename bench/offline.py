@@ -91,6 +91,7 @@ def run_jitney(
     engine.flush()
     steps = peak_blocks = 0
     phases, step_s = StepTiming(), 0.0
+    made: list[tuple[float, int]] = []  # (seconds from start, tokens so far) after each step
     while engine.has_unfinished():
         step_start = time.perf_counter()
         step_outputs = engine.step()
@@ -103,8 +104,10 @@ def run_jitney(
             ended_by_grammar += out.finish_reason == "stop"
         steps += 1
         peak_blocks = max(peak_blocks, engine.view.kv_used_blocks)
+        made.append((time.perf_counter() - clock.start, sum(len(v) for v in outputs.values())))
     wall = time.perf_counter() - clock.start
     useful = sum(len(v) for v in outputs.values())
+    stats = engine.stats
     suffix = "" if structured is None else f"+{structured.label}"
     return RunResult(
         name=f"jitney-{config.batching}{suffix}",
@@ -124,8 +127,26 @@ def run_jitney(
             "ended_by_grammar": ended_by_grammar,
             "decode_attention": engine.decode_attention,
             "cuda_graphs": _graphs_report(engine),
+            "tail_s": _tail_s(made, wall),
+            "spec_draft_tokens": stats.num_draft_tokens_total,
+            "spec_accepted_tokens": stats.num_accepted_tokens_total,
+            "spec_acceptance": (
+                stats.num_accepted_tokens_total / stats.num_draft_tokens_total
+                if stats.num_draft_tokens_total
+                else None
+            ),
         },
     )
+
+
+def _tail_s(made: list[tuple[float, int]], wall: float) -> float:
+    """Seconds the last quarter of the output tokens took (a trace's tail, where few
+    sequences are left running)."""
+    if not made:
+        return 0.0
+    total = made[-1][1]
+    reached = next(t for t, n in made if n >= 0.75 * total)
+    return wall - reached
 
 
 def _graphs_report(engine: Engine) -> dict[str, Any] | None:
@@ -172,7 +193,8 @@ def check_token_ids(requests: Sequence[TraceRequest], loaded: LoadedModel) -> No
 def format_table(ours: list[RunResult], baselines: list[RunResult]) -> str:
     header = (
         f"{'system':<20} {'tok/s':>8} {'mean lat':>9} {'p50 lat':>8} {'p99 lat':>8} "
-        f"{'mean TTFT':>9} {'slot util':>9} {'preempt':>7} {'peak KV':>8}"
+        f"{'mean TTFT':>9} {'slot util':>9} {'preempt':>7} {'peak KV':>8} {'tail 25%':>8} "
+        f"{'accept':>6}"
     )
     lines = [header, "-" * len(header)]
     for r in [*ours, *baselines]:
@@ -181,7 +203,8 @@ def format_table(ours: list[RunResult], baselines: list[RunResult]) -> str:
             f"{r.name:<20} {r.tokens_per_s:>8.1f} {r.mean_latency_s:>8.1f}s "
             f"{r.p50_latency_s:>7.1f}s {r.p99_latency_s:>7.1f}s {r.mean_ttft_s:>8.2f}s "
             f"{_pct(util):>9} {r.extra.get('preemptions', '-')!s:>7} "
-            f"{r.extra.get('peak_kv_blocks', '-')!s:>8}"
+            f"{r.extra.get('peak_kv_blocks', '-')!s:>8} {_seconds(r.extra.get('tail_s')):>8} "
+            f"{_pct(r.extra.get('spec_acceptance')):>6}"
         )
     if baselines:
         lines.append("")
@@ -225,6 +248,10 @@ def format_phase_table(ours: list[RunResult]) -> str:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}s"
 
 
 def run_offline_bench(

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scheduler import POLICIES, SchedulerConfig
+from scheduler import POLICIES, SchedulerConfig, SpeculativeConfig
 from scheduler.config import SCHEDULER_DEFAULTS as SCHED
+
+SPEC = SCHED.speculative
 
 if TYPE_CHECKING:  # torch loads with the engine, not with the command line's flag parsing
     import torch
@@ -39,6 +41,12 @@ class EngineConfig:
     max_queue_delay: float = SCHED.max_queue_delay  # seconds; dynamic batching only
     reserve_full_length: bool = SCHED.reserve_full_length
     max_preemptions_per_seq: int = SCHED.max_preemptions_per_seq
+    # Speculative decoding (scheduler/speculation/): "ngram" verifies prompt-lookup drafts.
+    speculative: str = SPEC.method
+    num_speculative_tokens: int = SPEC.num_speculative_tokens
+    prompt_lookup_max: int = SPEC.prompt_lookup_max
+    prompt_lookup_min: int = SPEC.prompt_lookup_min
+    speculative_max_step_tokens: int = SPEC.max_step_tokens
     max_model_len: int | None = None  # None: the model's, capped to what the KV cache holds
     enable_prefix_caching: bool = True
     # CUDA graphs for decode-only steps (engine/runner/decode_graphs.py); True: every step eager.
@@ -107,4 +115,11 @@ class EngineConfig:
             max_queue_delay=self.max_queue_delay,
             reserve_full_length=self.reserve_full_length,
             max_preemptions_per_seq=self.max_preemptions_per_seq,
+            speculative=SpeculativeConfig(
+                self.speculative,
+                self.num_speculative_tokens,
+                self.prompt_lookup_max,
+                self.prompt_lookup_min,
+                self.speculative_max_step_tokens,
+            ),
         )

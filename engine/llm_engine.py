@@ -218,7 +218,7 @@ class Engine:
         """One forward pass over the plan's chunks, then the sampling pipeline."""
         rows = sampling_rows(plan, self.choices)
         inputs = self.runner.prepare(
-            plan, self.policy.seqs, self.block_manager.block_ids, rows.prompt_rows
+            plan, self.policy.seqs, self.block_manager.block_ids, rows.extra_rows
         )
         clock.lap("prepare")
         logits = self.runner.forward(inputs)
@@ -236,7 +236,10 @@ class Engine:
         stopped = result.grammar_done | stop_strings_found(outputs, self.choices)
         # Choices whose choice 0 sampled: its prompt is computed, the others may start.
         self.choices.release_computed(result.sampled, self.policy)
-        for seq in self.policy.update(plan, result.sampled, stopped, time.monotonic()):
+        finished = self.policy.update(
+            plan, result.sampled, stopped, time.monotonic(), result.accepted
+        )
+        for seq in finished:
             delta = outputs.pop(seq.seq_id, None)
             outputs[seq.seq_id] = final_output(self.choices.forget(seq.seq_id), delta)
         return list(outputs.values())

@@ -41,16 +41,35 @@ def step_outputs(result: StepResult, choices: ChoiceTable) -> dict[str, RequestO
     for seq_id, token in result.sampled.items():
         req = by_seq[seq_id]
         detok = req.detok
-        out = outputs[seq_id] = RequestOutput(req.request_id, [token], req.index)
-        if detok is not None:
-            out.delta_text = detok.add(token)
+        if seq_id in result.accepted:
+            tokens, text = _verified_tokens(result, seq_id, req)
+        else:
+            tokens, text = [token], "" if detok is None else detok.add(token)
+        out = outputs[seq_id] = RequestOutput(req.request_id, tokens, req.index, text)
         if logprobs and (lp := logprobs.get(seq_id)) is not None:
             out.logprobs = [lp]
-        out.num_output_tokens = req.seq.num_output_tokens + 1
+        out.num_output_tokens = req.seq.num_output_tokens + len(tokens)
         if req.prompt_logprobs is not None:  # complete: the first token samples after them
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             choices.collecting.discard(seq_id)
     return outputs
+
+
+def _verified_tokens(result: StepResult, seq_id: str, req: ChoiceState) -> tuple[list[int], str]:
+    """A verifying sequence's tokens of this step and their text, cut after the first that
+    ends it (a stop token, or the end of a stop string): plain decoding stops there. The cut
+    is written back into `result`, so the scheduler keeps the same tokens."""
+    tokens = [*result.accepted[seq_id], result.sampled[seq_id]]
+    stops, detok = req.seq.limits.stop_token_ids, req.detok
+    text = []
+    for n, token in enumerate(tokens, 1):
+        if detok is not None:
+            text.append(detok.add(token))
+        if token in stops or (detok is not None and detok.stopped):
+            del tokens[n:]
+            break
+    result.accepted[seq_id], result.sampled[seq_id] = tokens[:-1], tokens[-1]
+    return tokens, "".join(text)
 
 
 def stop_strings_found(outputs: dict[str, RequestOutput], choices: ChoiceTable) -> set[str]:

@@ -5,7 +5,8 @@ In step order, for the rows of the choices that sample (in chunk order):
 2. while the forward runs: the grammar masks of the constrained rows (engine/grammar_masks.py);
 3. after it: the prompt rows' log-probs collected, then penalties, bias and min_tokens
    (`adjust_logits`), the grammar masks, the pick (`sample`), each token's log-probs when asked,
-   and every grammar advanced by its token (a completed or refused one ends its request).
+   and every grammar advanced by its token (a completed or refused one ends its request);
+4. the verifying sequences' drafts checked against the model's picks (engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from engine.choices import ChoiceState, ChoiceTable
 from engine.grammar_masks import Grammars, apply_masks
 from engine.sampler import TokenHistory, TokenLogprobs, adjust_logits, sample, token_logprobs
+from engine.speculative import draft_rows, verify_drafts
 from scheduler import StepPlan
 
 
@@ -27,6 +29,8 @@ class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)  # the token of every sequence sampled
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of those that asked
     grammar_done: set[str] = field(default_factory=set)  # grammar complete with this token
+    # Verifying sequences' accepted drafts, output before their sampled token.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -38,6 +42,16 @@ class SamplingRows:
     # Sequence id -> prompt positions (from its chunk's start) whose logits follow the rows.
     prompt_rows: dict[str, int]
     constrained: list[int]  # the rows with a grammar
+    # Verifying sequence id -> its draft count: its chunk's first k positions' logits follow
+    # the rows too (engine/speculative.py), in chunk order with the prompt rows.
+    draft_rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def extra_rows(self) -> dict[str, int]:
+        """Every chunk's leading positions whose logits follow the sampling rows."""
+        if not self.draft_rows:
+            return self.prompt_rows
+        return {**self.prompt_rows, **self.draft_rows}
 
 
 def sampling_rows(plan: StepPlan, choices: ChoiceTable) -> SamplingRows:
@@ -47,7 +61,8 @@ def sampling_rows(plan: StepPlan, choices: ChoiceTable) -> SamplingRows:
     constrained = []
     if choices.constrained:
         constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
-    return SamplingRows(seq_ids, reqs, _prompt_rows(plan, choices), constrained)
+    drafts = draft_rows(plan)
+    return SamplingRows(seq_ids, reqs, _prompt_rows(plan, choices), constrained, drafts)
 
 
 def _prompt_rows(plan: StepPlan, choices: ChoiceTable) -> dict[str, int]:
@@ -85,9 +100,10 @@ def sample_rows(
     """The step's sampled token per sequence, and what the requests asked beside it."""
     reqs = rows.reqs
     result = StepResult()
+    prompt_logits, draft_logits = _extra_logits(plan, rows, logits[len(reqs) :])
+    logits = logits[: len(reqs)]
     if rows.prompt_rows:
-        collect_prompt_logprobs(plan, rows.prompt_rows, logits[len(reqs) :], choices)
-        logits = logits[: len(reqs)]
+        collect_prompt_logprobs(plan, rows.prompt_rows, prompt_logits, choices)
     params = [r.params for r in reqs]
     if any(p.adjusts_logits for p in params):
         histories = [
@@ -112,7 +128,31 @@ def sample_rows(
         if not matcher.consume_token(tokens[j]) or matcher.is_stopped():
             result.grammar_done.add(rows.seq_ids[j])
     result.sampled = dict(zip(rows.seq_ids, tokens, strict=True))
+    if rows.draft_rows:
+        result.accepted = verify_drafts(
+            draft_logits, rows.draft_rows, choices.by_seq, result.sampled
+        )
     return result
+
+
+def _extra_logits(
+    plan: StepPlan, rows: SamplingRows, extra: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows after the sampling rows, split into the prompt rows' and the draft rows'
+    (each in chunk order)."""
+    if not rows.draft_rows or not rows.prompt_rows:
+        return extra, extra
+    prompt_at: list[int] = []
+    draft_at: list[int] = []
+    at = 0
+    for chunk in plan.chunks:
+        for wanted, into in ((rows.prompt_rows, prompt_at), (rows.draft_rows, draft_at)):
+            if (k := wanted.get(chunk.seq_id)) is not None:
+                into += range(at, at + k)
+                at += k
+    index = torch.tensor(prompt_at + draft_at, device=extra.device)
+    picked = extra.index_select(0, index)
+    return picked[: len(prompt_at)], picked[len(prompt_at) :]
 
 
 def collect_prompt_logprobs(

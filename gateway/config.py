@@ -139,6 +139,8 @@ class GatewayConfig:
     # Chat requests without max_tokens get min(this, what fits in the context window).
     chat_default_max_tokens: int = 512
     completion_default_max_tokens: int = 16
+    # Prompts in one /v1/completions list (each is a queue entry of its own); more is a 400.
+    max_prompts_per_request: int = 128
     # NOTE: every Redis call is bounded by redis_timeout_s (plus one quick retry), so a dead or
     # stalled Redis gives a 503 within a few seconds instead of a hung request.
     redis_timeout_s: float = 2.0
@@ -200,6 +202,7 @@ class GatewayConfig:
             "max_body_bytes",
             "max_queue_len",
             "max_queued_tokens",
+            "max_prompts_per_request",
             "retry_after_s",
             "max_file_bytes",
             "batch_max_lines",

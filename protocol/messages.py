@@ -177,7 +177,8 @@ NOOP_MODEL = "noop"
 
 @dataclass(slots=True)
 class ModelCard(Message):
-    """What a gateway needs to serve a model without loading it: tokenizer and limits."""
+    """What a gateway needs to serve a model without loading it: tokenizer, limits and the
+    model's sampling defaults."""
 
     kind: ClassVar[str] = "model"
 
@@ -188,3 +189,6 @@ class ModelCard(Message):
     chat_template: str | None = None
     special_tokens: dict[str, str | None] = field(default_factory=dict)  # bos/eos/pad/unk
     created: float = 0.0
+    # The model's own defaults for the sampling fields a request leaves out, by API name
+    # (protocol.sampling_defaults.SamplingDefaults.to_dict); empty: the API's defaults.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)

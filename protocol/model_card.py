@@ -1,4 +1,5 @@
-"""Model cards: a worker publishes its tokenizer and limits; a gateway rebuilds the tokenizer.
+"""Model cards: a worker publishes its tokenizer, limits and sampling defaults; a gateway
+rebuilds the tokenizer.
 
 This is how a gateway serves a model without loading it (no torch, no model files): it reads the
 card of every model that live workers serve from Redis.
@@ -12,12 +13,17 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from protocol import ModelCard
+from protocol.sampling_defaults import SamplingDefaults
 
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def card_from_tokenizer(
-    name: str, tokenizer: PreTrainedTokenizerFast, max_model_len: int, eos_token_ids: list[int]
+    name: str,
+    tokenizer: PreTrainedTokenizerFast,
+    max_model_len: int,
+    eos_token_ids: list[int],
+    sampling_defaults: SamplingDefaults | None = None,
 ) -> ModelCard:
     special = {}
     for attr in _SPECIAL:
@@ -31,6 +37,7 @@ def card_from_tokenizer(
         chat_template=tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
         special_tokens=special,
         created=time.time(),
+        sampling_defaults=(sampling_defaults or SamplingDefaults()).to_dict(),
     )
 
 

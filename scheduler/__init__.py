@@ -16,9 +16,12 @@ from scheduler.policies import (
     make_policy,
 )
 from scheduler.sequence import SamplingLimits, Sequence, SequenceStatus
+from scheduler.speculation import SpeculativeConfig
+from scheduler.speculation.proposer import SPECULATIVE_METHODS
 
 __all__ = [
     "POLICIES",
+    "SPECULATIVE_METHODS",
     "BatchingPolicy",
     "BlockIntegrityError",
     "ContinuousBatching",
@@ -31,6 +34,7 @@ __all__ = [
     "SchedulerStats",
     "Sequence",
     "SequenceStatus",
+    "SpeculativeConfig",
     "StaticBatching",
     "StepLimit",
     "StepPlan",

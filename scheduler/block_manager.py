@@ -86,8 +86,8 @@ class KVBlockManager:
 
     def block_ids(self, seq_id: str) -> list[int]:
         """The live block list of an allocated sequence, not a copy: read it, never change it.
-        It only grows while the allocation lives and is a new object after a free (the model
-        runner keys its device copy on that identity)."""
+        It only grows while the allocation lives and is a new object after a free or a `trim`
+        (the model runner keys its device copy on that identity)."""
         return self._seqs[seq_id].block_ids
 
     def num_cached_tokens(self, seq: Sequence) -> int:
@@ -159,6 +159,29 @@ class KVBlockManager:
                 block.block_hash = h
                 self._cached[h] = block.block_id
         entry.num_hashed = num_full
+
+    def trim(self, seq: Sequence, num_tokens: int, reserve_tokens: int = 0) -> int:
+        """Give back the tail blocks of `seq` past what `num_tokens` (and a reservation of
+        `reserve_tokens`) needs: the slots of draft tokens the model rejected. They hold no
+        prompt block, so no hash; they go to the front of the free list, to be taken first.
+        Returns the blocks given back."""
+        entry = self._seqs.get(seq.seq_id)
+        if entry is None:
+            return 0
+        keep = max(self.blocks_for(max(num_tokens, reserve_tokens)), entry.num_hashed)
+        tail = entry.block_ids[keep:]
+        if not tail:
+            return 0
+        # A new list: the model runner's device copy of the table is keyed on the list's
+        # identity, and a list that shrank and grew back would look unchanged to it.
+        entry.block_ids = entry.block_ids[:keep]
+        for b in reversed(tail):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[b] = None
+                self._free.move_to_end(b, last=False)
+        return len(tail)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`. Tail blocks go to the free list first, so they are

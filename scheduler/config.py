@@ -6,7 +6,9 @@ flags read them from `SCHEDULER_DEFAULTS`, so a bare Engine and `jitney worker` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from scheduler.speculation.proposer import SpeculativeConfig
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,6 +25,8 @@ class SchedulerConfig:
     reserve_full_length: bool = False
     # A sequence preempted this many times is no longer chosen as a victim while others exist.
     max_preemptions_per_seq: int = 4
+    # Draft tokens verified beside decodes (scheduler/speculation/); method "none": off.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

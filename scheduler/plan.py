@@ -28,6 +28,9 @@ class ScheduledChunk:
     # The chunk reaches the sequence's last known token, so the step samples its next token.
     samples: bool
     is_prefill: bool
+    # A decode that also verifies this many draft tokens: positions [start + 1, start +
+    # num_tokens) hold the sequence's `draft_token_ids` (num_tokens = 1 + num_draft_tokens).
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -73,4 +76,9 @@ class SchedulerStats:
     num_preempted_tokens_total: int = 0  # computed tokens preemptions threw away (recomputed)
     num_prefix_queries_total: int = 0
     num_prefix_hits_total: int = 0
+    # Speculative decoding: draft tokens verified, of which accepted, and the verifications
+    # (one per sequence and step that had drafts): acceptance = accepted / drafts.
+    num_draft_tokens_total: int = 0
+    num_accepted_tokens_total: int = 0
+    num_verifications_total: int = 0
     limit: StepLimit = StepLimit.NONE

@@ -93,6 +93,15 @@ class Sequence:
     # False: never served from the prefix cache (every prompt position is computed, e.g. because
     # the request wants each prompt token's log-prob); its blocks still serve other requests.
     uses_prefix_cache: bool = True
+    # The engine allows draft tokens for it (speculative decoding): its rows are greedy and
+    # nothing but the model's logits decides each position's token.
+    speculates: bool = False
+    # Proposed after the last known token for the step being planned; the step keeps the ones
+    # the model agrees with (output tokens then) and drops the rest.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # The most drafts its next verification proposes (0: the configured most): it follows the
+    # sequence's acceptance, so a sequence whose drafts fail stops paying for long ones.
+    max_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

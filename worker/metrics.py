@@ -170,6 +170,16 @@ class WorkerMetrics:
         self.prefix_queries = counter(
             "jitney_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )
+        # Speculative decoding (--speculative): acceptance = accepted / draft tokens.
+        self.spec_drafts = counter(
+            "jitney_spec_decode_num_drafts", "Verifications: one sequence's drafts in one step"
+        )
+        self.spec_draft_tokens = counter(
+            "jitney_spec_decode_num_draft_tokens", "Draft tokens verified"
+        )
+        self.spec_accepted_tokens = counter(
+            "jitney_spec_decode_num_accepted_tokens", "Draft tokens the model accepted"
+        )
         self._handoffs = Counter(
             "jitney_request_handoffs",
             "Requests taken over from a dead worker, handed back, dead-lettered, or aborted "
@@ -186,7 +196,7 @@ class WorkerMetrics:
             registry=r,
         )
         # The scheduler's counters are running totals; the exporter adds their increments.
-        self._last_totals = (0, 0, 0, 0)
+        self._last_totals = (0,) * 7
         # /ready answers this (the service sets it: joined and not stopping).
         self.ready: Callable[[], bool] = lambda: True
 
@@ -232,9 +242,21 @@ class WorkerMetrics:
             stats.num_preempted_tokens_total,
             stats.num_prefix_hits_total,
             stats.num_prefix_queries_total,
+            stats.num_verifications_total,
+            stats.num_draft_tokens_total,
+            stats.num_accepted_tokens_total,
+        )
+        counters = (
+            self.preemptions,
+            self.preempted_tokens,
+            self.prefix_hits,
+            self.prefix_queries,
+            self.spec_drafts,
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
         )
         for child, new, old in zip(
-            (self.preemptions, self.preempted_tokens, self.prefix_hits, self.prefix_queries),
+            counters,
             totals,
             self._last_totals,
             strict=True,

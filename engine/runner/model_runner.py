@@ -122,34 +122,48 @@ class ModelRunner:
         """The packed inputs of every chunk of `plan`, on the device, for `forward`.
         `block_ids(seq_id)` is the sequence's live block list: the same object for as long as
         its allocation lives (see InputBatch.row). `prompt_rows[seq_id] = k`: that sequence's
-        chunk also yields logits for its first k tokens (after the sampling rows)."""
+        chunk also yields logits for its first k tokens (after the sampling rows); a
+        verification's (a chunk with drafts) are its drafts' count."""
         input_ids: list[int] = []
         layout: list[tuple[int, int, list[int]]] = []
+        keys: list[str] = []
+        sample: list[bool] = []
+        wanted: list[tuple[int, int]] = []  # (layout entry, leading tokens) whose logits follow
         for chunk in plan.chunks:
-            seq = seqs[chunk.seq_id]
+            seq, blocks = seqs[chunk.seq_id], block_ids(chunk.seq_id)
             if chunk.is_prefill:
                 input_ids += seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
-            else:  # a decode feeds back the token sampled last
-                input_ids.append(seq.output_token_ids[-1])
-            layout.append((chunk.start, chunk.num_tokens, block_ids(chunk.seq_id)))
+                if prompt_rows and chunk.seq_id in prompt_rows:
+                    wanted.append((len(layout), prompt_rows[chunk.seq_id]))
+                layout.append((chunk.start, chunk.num_tokens, blocks))
+                keys.append(chunk.seq_id)
+                sample.append(chunk.samples)
+                continue
+            # A decode feeds back the token sampled last; a verification its drafts after it,
+            # each as a decode row of its own (position start + j sees keys [0, start + j]):
+            # causal within the chunk, and served by the decode kernels.
+            input_ids.append(seq.output_token_ids[-1])
+            input_ids += seq.draft_token_ids if chunk.num_draft_tokens else ()
+            for j in range(chunk.num_tokens):
+                last = j == chunk.num_tokens - 1
+                if not last:
+                    wanted.append((len(layout), 1))
+                layout.append((chunk.start + j, 1, blocks))
+                keys.append(chunk.seq_id)
+                sample.append(last)
         self._graph_ctx = None
-        if self.graphs is not None and not any(c.is_prefill for c in plan.chunks):
+        if self.graphs is not None and not any(
+            c.is_prefill or c.num_draft_tokens for c in plan.chunks
+        ):
             ctx_lens = [c.start + 1 for c in plan.chunks]
             if self.graphs.fits(len(ctx_lens), max(ctx_lens)):
                 self._graph_ctx = ctx_lens
-        wanted = []
-        if prompt_rows:
-            wanted = [
-                (i, prompt_rows[c.seq_id])
-                for i, c in enumerate(plan.chunks)
-                if c.seq_id in prompt_rows
-            ]
         return AttentionMetadata.build(
             layout,
             self.kv_cache,
-            sample=[c.samples for c in plan.chunks],
+            sample=sample,
             batch=self.batch,
-            keys=[c.seq_id for c in plan.chunks],
+            keys=keys,
             input_ids=input_ids,
             prompt_rows=wanted,
         )

@@ -2,8 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (gateway.http.completion_routes), the
 Batch API (/v1/files, /v1/batches: gateway.batch.routes; its runner task starts and stops with
-the app), GET /ui and /ui/events (gateway.http.live_view), GET /v1/models, GET /health (process
-up, always 200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503), GET
+the app), POST /tokenize, POST /detokenize and GET /tokenizer_info (gateway.http.tokenize_routes),
+GET /ui and /ui/events (gateway.http.live_view), GET /v1/models, GET /health (process up, always
+200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503), GET
 /metrics (on the main port, behind auth when keys are configured; or alone on --metrics-port).
 Middleware: gateway.http.middleware. Serving it: gateway.http.server.
 """
@@ -28,6 +29,7 @@ from gateway.http.completion_routes import chat_completions, completions
 from gateway.http.live_view import setup_live_view
 from gateway.http.middleware import body_limit, errors_and_metrics
 from gateway.http.ratelimit import RATE_LIMITER, RateLimiter, rate_limit_middleware
+from gateway.http.tokenize_routes import add_routes as add_tokenize_routes
 from gateway.serving.gateway_state import Gateway
 from protocol import HEARTBEAT_TTL_S, NOOP_MODEL
 
@@ -80,6 +82,8 @@ async def list_models(request: web.Request) -> web.Response:
             if m.name == NOOP_MODEL
             else "jitney",
             "max_model_len": m.card.max_model_len,
+            # What a request that leaves these fields out gets (empty: the API's defaults).
+            "sampling_defaults": m.sampling_defaults.to_dict(),
         }
         for m in models
     ]
@@ -129,6 +133,7 @@ def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Appli
     batch_routes.add_routes(app)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_tokenize_routes(app)  # POST /tokenize, /detokenize; GET /tokenizer_info
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

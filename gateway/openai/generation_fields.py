@@ -4,7 +4,7 @@ max_tokens (whose name and default depend on the route), as `SamplingParams` for
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from annotated_types import Ge, Le
 from pydantic import (
@@ -13,9 +13,12 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
     Strict,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from gateway.openai.field_types import (
@@ -40,6 +43,8 @@ from gateway.openai.validation import Invalid, expect
 from generation import SamplingParams
 from generation.sampling_params import MAX_CHOICES, MAX_LOGPROBS
 from protocol import PRIORITIES
+from protocol.sampling_defaults import FIELDS as DEFAULTABLE
+from protocol.sampling_defaults import SamplingDefaults
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # the detokenizer holds back this much text while a stop may be forming
@@ -137,6 +142,17 @@ class GenerationFields(BaseModel):
     min_tokens: Annotated[Count, none_is(0)] = 0  # against max_tokens once it is resolved
     # vLLM's `priority`: lower is served first; the Batch API's lines run below every range.
     priority: Annotated[Integer, between(PRIORITIES[0], PRIORITIES[-1] - 1)] | None = None
+    # The defaultable fields the request sent with a value (null is "not given", as clients
+    # send it): these keep their value; the others take the model's defaults (with_defaults).
+    _sent: frozenset[str] = PrivateAttr(default=frozenset())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_sent(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        request = handler(data)
+        if isinstance(data, dict):
+            request._sent = frozenset(k for k in DEFAULTABLE if data.get(k) is not None)
+        return request
 
     @field_validator("stream_options", mode="before")
     @classmethod
@@ -155,6 +171,23 @@ class GenerationFields(BaseModel):
         route's model answers from its own fields (request_models.py: completions' `logprobs`,
         chat's `logprobs` + `top_logprobs`)."""
         raise NotImplementedError
+
+    def with_defaults(self, defaults: SamplingDefaults, room: int) -> Self:
+        """This request with the model's defaults in the sampling fields it did not send; a
+        value it sent, even the API's default, wins. A default max_tokens is capped to `room`
+        (the context left after the prompt), as the chat route's own default is: a default
+        never makes a request too long."""
+        update: dict[str, Any] = {
+            k: v for k, v in defaults.to_dict().items() if k not in self._sent and k != "max_tokens"
+        }
+        # max_tokens is each route's own field (chat's max_completion_tokens is read into it)
+        if defaults.max_tokens is not None and getattr(self, "max_tokens", 0) is None:
+            update["max_tokens"] = max(1, min(defaults.max_tokens, room))
+        if not update:
+            return self
+        request = self.model_copy(update=update)
+        request.__dict__.pop("sampling", None)  # a copy must not keep the old params' cache
+        return request
 
     @cached_property
     def sampling(self) -> SamplingParams:

@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BeforeValidator,
     Discriminator,
+    Strict,
     Tag,
     ValidationInfo,
     field_validator,
@@ -26,13 +28,16 @@ from pydantic import (
 from gateway.openai.chat_messages import Messages
 from gateway.openai.field_types import (
     INT64,
+    MAX_TOKEN_ID,
     NON_EMPTY,
     REQUIRED,
+    SURROGATE,
     UNICODE,
     Flag,
     Integer,
     TokenIds,
     absent_is_null,
+    encodable,
     refuse_unsupported,
 )
 from gateway.openai.generation_fields import AnyInt, GenerationFields, Logprobs, MaxTokens
@@ -42,24 +47,60 @@ from gateway.openai.validation import Invalid, expect, validate
 
 
 def _one_prompt(value: Any) -> Any:
-    if isinstance(value, list) and value and isinstance(value[0], str | list):
-        if len(value) > 1:
-            raise Invalid(
-                message="Several prompts in one request are not supported; send one per request."
-            )
+    """A list of one prompt is that prompt (its errors and its answer are the single one's)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         return value[0]
     return value
 
 
 def _prompt_kind(value: Any) -> str | None:
-    return "text" if isinstance(value, str) else "ids" if isinstance(value, list) else None
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    if value and all(isinstance(v, str) for v in value):
+        return "texts"
+    if value and all(isinstance(v, list) for v in value):
+        return "id_lists"
+    if not any(isinstance(v, str | list) for v in value):
+        return "ids"  # token ids (or an empty list, which its check refuses)
+    return None  # strings and lists mixed, or with ids
 
 
+def _each_text(texts: list[str]) -> list[str]:
+    for i, text in enumerate(texts):
+        if not text:
+            raise Invalid(message=f"'prompt[{i}]' must not be empty.")
+        if not encodable(text):
+            raise Invalid(message=f"'prompt[{i}]' {SURROGATE}.")
+    return texts
+
+
+def _each_ids(id_lists: list[list[int]]) -> list[list[int]]:
+    for i, ids in enumerate(id_lists):
+        if not ids:
+            raise Invalid(message=f"'prompt[{i}]' must not be empty.")
+        if not all(0 <= token <= MAX_TOKEN_ID for token in ids):
+            raise Invalid(
+                message=f"'prompt[{i}]' must be a list of integers between 0 and {MAX_TOKEN_ID}."
+            )
+    return id_lists
+
+
+StrictInt = Annotated[int, Strict()]
+# One prompt (text or token ids), or several (texts, or lists of token ids: not mixed). A
+# several-prompt list's items are checked here so that an error names the item; their count is
+# bounded in gateway.serving.request_path (a setting), their ids checked against the vocabulary.
 Prompt = Annotated[
     Annotated[str, NON_EMPTY, UNICODE, Tag("text")]
-    | Annotated[TokenIds, NON_EMPTY, Tag("ids")],  # checked against the vocabulary later
+    | Annotated[TokenIds, NON_EMPTY, Tag("ids")]
+    | Annotated[list[Annotated[str, Strict()]], AfterValidator(_each_text), Tag("texts")]
+    | Annotated[list[list[StrictInt]], AfterValidator(_each_ids), Tag("id_lists")],
     Discriminator(_prompt_kind),
-    expect("must be a string or a list of token ids", nested=True),
+    expect(
+        "must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+        nested=True,
+    ),
     BeforeValidator(_one_prompt),
     REQUIRED,
 ]
@@ -100,6 +141,14 @@ class CompletionRequest(OutputFormatFields, GenerationFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order: one, or the list's (each answered as if sent alone)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
 
 class ChatCompletionRequest(OutputFormatFields, ToolFields, GenerationFields):

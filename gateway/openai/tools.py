@@ -8,8 +8,9 @@ arguments as objects, as Hugging Face templates expect); for one that does not, 
 described in the system message and earlier calls and results are written out as text.
 
 `tool_choice`: "none" (the tools are left out of the prompt, nothing is parsed), "auto" (the
-model's text is parsed for calls), "required" or a named function (a grammar forces one valid
-call, or several with parallel_tool_calls).
+model's text is parsed for calls), "required" (a grammar forces one valid call, or several
+unless parallel_tool_calls is false) or a named function (exactly one call, as vLLM: clients
+that name a function, such as langchain's bind_tools(tool_choice=name), expect one).
 """
 
 from __future__ import annotations
@@ -84,13 +85,13 @@ class ToolConfig:
         return frozenset(t.name for t in self.offered)
 
     def grammar(self) -> Grammar | None:
-        """For required / a named function: the output is one call (or several, when parallel
-        calls are allowed) whose arguments validate against the tool's parameters."""
+        """For required / a named function: the output is one call (required: or several, when
+        parallel calls are allowed) whose arguments validate against the tool's parameters."""
         if self.choice not in ("required", "function"):
             return None
         call = {"anyOf": [_call_schema(t) for t in self.offered]}
         one = f'"{_lark_str(CALL_OPEN)}\\n" call_json "\\n{_lark_str(CALL_CLOSE)}"'
-        calls = 'call ("\\n" call)*' if self.parallel else "call"
+        calls = 'call ("\\n" call)*' if self.parallel and self.forced is None else "call"
         lark = f"start: {calls}\ncall: {one}\ncall_json: %json {g.dumps(g.compact_schema(call))}\n"
         param = "tool_choice" if self.forced else "tools"
         try:

@@ -1,10 +1,13 @@
 """The relay: one request's replies, from its queue to the client, as a JSON body or an SSE
 stream, and how the request ended.
 
-Replies carry the choice they belong to (`index`). A normal final reply ("stop", "length") ends
-its choice; the response is complete when every choice has ended, here (a stop string) or in the
-worker. Any other final reply (error, abort, expired) ends the whole request with an error. A
-stop string found in one choice while others go on cancels that choice only.
+A request is one queue entry per prompt (a completions list has several), each with its `n`
+choices; every entry's replies come to one queue, read in arrival order. A reply names its entry
+(request id) and its choice there (`index`: 0..n-1); the response numbers the choices across
+prompts, prompt i's as i*n .. i*n+n-1 (OpenAI's order). A normal final reply ("stop", "length")
+ends its choice; the response is complete when every choice has ended, here (a stop string) or
+in the worker. Any other final reply (error, abort, expired) ends the whole request with an
+error. A stop string found in one choice while others go on cancels that choice only.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -67,30 +71,57 @@ def idle_timeout_error() -> ApiError:
     )
 
 
+@dataclass(slots=True, eq=False)
+class PromptEntry:
+    """One prompt's queue entry: its replies' state and its choices (the worker's index i is
+    choices[i])."""
+
+    request_id: str
+    in_flight: InFlight
+    choices: list[Choice]
+    num_prompt: int
+    prompt_logprobs: list[list[Any]] | None = None  # from the entry's first reply (echo)
+    prompt_tokens: int = 0  # as the worker's final replies count them
+    cached_tokens: int = 0
+    failed: bool = False  # a final reply that is not a normal finish ended it
+
+    @property
+    def finished(self) -> bool:
+        """The worker ended it (every choice, or with an error): nothing to cancel."""
+        return self.failed or all(c.worker_done for c in self.choices)
+
+    @property
+    def complete(self) -> bool:
+        """Every choice ended normally (here, or in the worker)."""
+        return all(c.done for c in self.choices)
+
+
 class Relay:
     def __init__(
         self,
         gw: Gateway,
-        in_flight: InFlight,
         model: ServedModel,
         responder: Responder,
-        choices: list[Choice],
-        num_prompt: int,
+        entries: list[PromptEntry],
         received: float,
     ):
         self.gw = gw
-        self.in_flight = in_flight
         self.model = model
         self.responder = responder
-        self.choices = choices
-        self.num_prompt = num_prompt
+        self.entries = entries
+        self.choices = [c for e in entries for c in e.choices]  # in response order
         self.received = received
-        self.finished = False  # the worker ended the request (every choice, or an error)
         self.error: ReplyMessage | None = None  # the final reply that failed the request
-        self.prompt_logprobs: list[list[Any]] | None = None  # from the request's first reply
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self._by_id = {e.request_id: e for e in entries}
+        self._replies: asyncio.Queue[ReplyMessage] = asyncio.Queue()
+        for entry in entries:  # before XADD: no reply can have arrived yet
+            entry.in_flight.queue = self._replies
         self._first = True
+
+    @property
+    def finished(self) -> bool:
+        """The worker ended every entry (every choice, or an error)."""
+        return all(e.finished for e in self.entries)
 
     @property
     def done(self) -> bool:
@@ -104,7 +135,7 @@ class Relay:
 
     def _wait_limit(self) -> float:
         timeout = self.gw.config.request_timeout
-        if not self.in_flight.started and timeout is not None:
+        if not all(e.in_flight.started for e in self.entries) and timeout is not None:
             return timeout + EXPIRY_GRACE_S
         return self.gw.config.reply_idle_timeout_s
 
@@ -112,7 +143,7 @@ class Relay:
         # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the cancellation
         # that a client disconnect delivers (gh-86296).
         async with asyncio.timeout(timeout):
-            reply = await self.in_flight.queue.get()
+            reply = await self._replies.get()
         if self._first:
             self._first = False
             self.gw.metrics.ttft.labels(self.model.name).observe(time.monotonic() - self.received)
@@ -120,28 +151,35 @@ class Relay:
 
     def apply(self, reply: ReplyMessage) -> tuple[Choice, Delta] | None:
         """One reply applied to its choice; what it adds, if it belongs to a live choice."""
-        if reply.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = reply.prompt_logprobs
+        entry = self._by_id.get(reply.request_id)
+        if entry is None:
+            log.warning("reply for another request request_id=%s", reply.request_id)
+            return None
+        if reply.prompt_logprobs is not None and entry.prompt_logprobs is None:
+            entry.prompt_logprobs = reply.prompt_logprobs
         if reply.is_final:
-            self.prompt_tokens = max(self.prompt_tokens, reply.prompt_tokens)
-            self.cached_tokens = max(self.cached_tokens, reply.cached_tokens)
+            entry.prompt_tokens = max(entry.prompt_tokens, reply.prompt_tokens)
+            entry.cached_tokens = max(entry.cached_tokens, reply.cached_tokens)
             if reply.finish_reason not in NORMAL_FINISH:
-                self.error, self.finished = reply, True
+                entry.failed = True
+                self.error = self.error or reply
                 return None
-        if not 0 <= reply.index < len(self.choices):
+        if not 0 <= reply.index < len(entry.choices):
             log.warning("reply for a choice out of range request_id=%s", reply.request_id)
             return None
-        choice = self.choices[reply.index]
+        choice = entry.choices[reply.index]
         was_done = choice.done
-        delta = choice.add(reply, self.prompt_logprobs)
-        self.finished = all(c.worker_done for c in self.choices)
+        delta = choice.add(reply, entry.prompt_logprobs)
         if choice.stopped and not was_done and not self.done:  # the others go on
-            self.gw.cancel_later(self.responder.request_id, STOP_STRING, index=choice.index)
+            self.gw.cancel_later(entry.request_id, STOP_STRING, index=reply.index)
         return choice, delta
 
     def usage(self) -> dict[str, Any]:
+        """Summed over the prompts: each counted once whatever its `n`."""
+        prompt = sum(e.prompt_tokens or e.num_prompt for e in self.entries)
+        cached = sum(e.cached_tokens for e in self.entries)
         completion = sum(c.usage_tokens for c in self.choices)
-        return usage(self.prompt_tokens or self.num_prompt, completion, self.cached_tokens)
+        return usage(prompt, completion, cached)
 
     async def collect(self) -> web.Response:
         body = await self.collect_body()

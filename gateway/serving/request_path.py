@@ -7,6 +7,8 @@ or 503 with nothing left behind):
    thread (chat template for chat);                          headers (stream) or wait (not);
 3. prompt + max_tokens within max_model_len, a grammar     6. relay replies until every
    that compiles (400);                                      choice ended (gateway.serving.relay).
+A completions list of prompts is one entry per prompt in step 5, the steps before taking each
+prompt in turn (an error names it) and the request as a whole (admitted on its summed tokens).
 Leaving before the final reply (client gone, idle timeout, error) publishes a cancel.
 Steps 1-3 are `prepare`, 4-6 `submit`: the HTTP routes (gateway.http.completion_routes) and a
 Batch API line (gateway.batch.line_runner) take the same path.
@@ -42,7 +44,7 @@ from gateway.openai.structured_outputs import compile_error
 from gateway.openai.tool_parser import ToolStream
 from gateway.serving.backlog import Queue
 from gateway.serving.gateway_state import Gateway
-from gateway.serving.relay import Relay
+from gateway.serving.relay import PromptEntry, Relay
 from gateway.serving.served_models import ServedModel
 from generation import SamplingParams
 from generation.detokenizer import IncrementalDetokenizer
@@ -58,21 +60,37 @@ class Job:
     kind: Kind
     parsed: GenerationRequest
     model: ServedModel
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # each prompt's token ids (a completions list: several)
     sampling: SamplingParams
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    def prompt_cost(self, prompt_ids: list[int]) -> int:
+        """Tokens one prompt's entry may use: the prompt, and max_tokens for every choice."""
+        return len(prompt_ids) + self.sampling.n * self.sampling.max_tokens
+
+    @property
     def cost(self) -> int:
-        """Tokens it may use: the prompt, and max_tokens for every choice."""
-        return len(self.prompt_ids) + self.sampling.n * self.sampling.max_tokens
+        """Tokens the request may use: every prompt's cost (what rate limits charge)."""
+        return sum(self.prompt_cost(ids) for ids in self.prompts)
 
 
 async def prepare(gw: Gateway, kind: Kind, body: dict[str, Any]) -> Job:
     """Steps 1-3: parse, resolve the model, tokenize, check limits and the grammar (4xx)."""
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+    _check_num_prompts(gw, parsed)
     model = await gw.registry.resolve(parsed.model)
-    prompt_ids = await _prompt_ids(gw, model, parsed)
-    max_tokens = _max_tokens(gw, model, parsed, len(prompt_ids))
+    prompts = await _prompts(gw, model, parsed)
+    # The model's sampling defaults fill the fields the request did not send.
+    parsed = model.with_defaults(parsed, prompts)
+    # Every prompt fits with the same max_tokens (the completions default does not depend on
+    # the prompt; a chat has one prompt).
+    max_tokens = min(
+        _max_tokens(gw, model, parsed, len(ids), _where(i, len(prompts)))
+        for i, ids in enumerate(prompts)
+    )
     if parsed.min_tokens > max_tokens:
         raise bad_request(
             f"'min_tokens' ({parsed.min_tokens}) must be at most max_tokens ({max_tokens}).",
@@ -87,7 +105,7 @@ async def prepare(gw: Gateway, kind: Kind, body: dict[str, Any]) -> Job:
         error = await gw.registry.run(model.grammar_error, parsed.grammar.text)
         if error is not None:
             raise compile_error(parsed.grammar, error)
-    return Job(kind, parsed, model, prompt_ids, _wire_sampling(parsed, max_tokens))
+    return Job(kind, parsed, model, prompts, _wire_sampling(parsed, max_tokens))
 
 
 async def submit(
@@ -101,19 +119,78 @@ async def submit(
     weight: int | None = None,
 ) -> T:
     """Steps 4-6: admit (429), enqueue, then `deliver` the replies (HTTP body or stream, or a
-    batch line's body). Leaving before the final reply cancels the work."""
-    parsed, prompt_ids, sampling = job.parsed, job.prompt_ids, job.sampling
+    batch line's body). Leaving before the final reply cancels the work.
+
+    Each prompt is a queue entry of its own (its own request id, `<id>-<i>` when there are
+    several), so fair share, priorities and cancellation act per prompt; the request is
+    admitted or refused whole, its prompts' tokens together."""
+    parsed = job.parsed
     backlog = gw.backlog(job.model.name)
-    await backlog.admit(len(prompt_ids))  # from here to register(): no await (atomic)
+    await backlog.admit(job.num_prompt_tokens)  # from here to register(): no await (atomic)
 
     responder = Responder(job.kind, job.model.name, parsed.include_usage, id=request_id)
-    now = time.time()
+    entries = _entries(gw, job, responder.request_id, priority)
+    relay = Relay(gw, job.model, responder, entries, received)
+    queue = Queue(priority, key_id if weight else None, weight or 1)
+    tried: list[PromptEntry] = []  # maybe enqueued: a client gone during XADD still cancels
+    try:
+        now = time.time()
+        try:
+            for entry, prompt_ids in zip(entries, job.prompts, strict=True):
+                message = _message(gw, job, entry.request_id, prompt_ids, now, priority, key_id)
+                entry.in_flight.request_stream = backlog.queue(queue)
+                tried.append(entry)
+                cost = job.prompt_cost(prompt_ids)
+                entry.in_flight.entry_id = await backlog.enqueue(message, queue, cost)
+        except RedisError:
+            tried.pop()
+            # Undo the admission of the prompts not in the stream (a reading counts the rest).
+            backlog.release(sum(e.num_prompt for e in entries[len(tried) :]))
+            raise redis_unavailable() from None
+        return await deliver(relay)
+    finally:
+        for entry in entries:
+            gw.router.unregister(entry.request_id)
+        if tried:  # what the key used, finished or not (tenants' shares, billing)
+            used = relay.usage()
+            tokens = gw.metrics.key_tokens
+            tokens.labels(key_id or "-", job.model.name, "prompt").inc(used["prompt_tokens"])
+            tokens.labels(key_id or "-", job.model.name, "completion").inc(
+                used["completion_tokens"]
+            )
+        for entry in tried:  # stop string, client gone, timeout, another failed: stop the work
+            if not entry.finished:
+                gw.cancel_later(entry.request_id, STOP_STRING if entry.complete else "client_gone")
+
+
+def _entries(gw: Gateway, job: Job, request_id: str, priority: int) -> list[PromptEntry]:
+    """One entry per prompt, registered for its replies: the request's id, or `<id>-<i>` for
+    prompt i of several."""
+    several = len(job.prompts) > 1
+    entries = []
+    for i, prompt_ids in enumerate(job.prompts):
+        rid = f"{request_id}-{i}" if several else request_id
+        in_flight = gw.router.register(rid, len(prompt_ids), priority)
+        choices = _choices(job, i, keep=not job.parsed.stream)
+        entries.append(PromptEntry(rid, in_flight, choices, len(prompt_ids)))
+    return entries
+
+
+def _message(
+    gw: Gateway,
+    job: Job,
+    request_id: str,
+    prompt_ids: list[int],
+    now: float,
+    priority: int,
+    key_id: str | None,
+) -> RequestMessage:
     timeout = gw.config.request_timeout
-    message = RequestMessage(
-        request_id=responder.request_id,
+    return RequestMessage(
+        request_id=request_id,
         model=job.model.name,
         prompt_token_ids=prompt_ids,
-        sampling=sampling.to_dict(),
+        sampling=job.sampling.to_dict(),
         reply_to=gw.reply_stream,
         gateway_id=gw.config.gateway_id,
         enqueue_time=now,
@@ -121,32 +198,18 @@ async def submit(
         priority=priority,
         key_id=key_id,
     )
-    in_flight = gw.router.register(responder.request_id, len(prompt_ids), priority)
-    choices = _choices(job.model, parsed, prompt_ids, sampling, keep=not parsed.stream)
-    relay = Relay(gw, in_flight, job.model, responder, choices, len(prompt_ids), received)
-    enqueued = True  # maybe: a client gone during XADD still gets its request cancelled
-    try:
-        try:
-            queue = Queue(priority, key_id if weight else None, weight or 1)
-            in_flight.request_stream = backlog.queue(queue)
-            in_flight.entry_id = await backlog.enqueue(message, queue, job.cost)
-        except RedisError:
-            enqueued = False
-            backlog.release(len(prompt_ids))
-            raise redis_unavailable() from None
-        return await deliver(relay)
-    finally:
-        gw.router.unregister(responder.request_id)
-        if enqueued:  # what the key used, finished or not (tenants' shares, billing)
-            used = relay.usage()
-            tokens = gw.metrics.key_tokens
-            tokens.labels(key_id or "-", job.model.name, "prompt").inc(used["prompt_tokens"])
-            tokens.labels(key_id or "-", job.model.name, "completion").inc(
-                used["completion_tokens"]
-            )
-        if enqueued and not relay.finished:  # stop string, client gone, timeout: stop the work
-            reason = STOP_STRING if relay.complete else "client_gone"
-            gw.cancel_later(responder.request_id, reason)
+
+
+def _check_num_prompts(gw: Gateway, parsed: GenerationRequest) -> None:
+    if isinstance(parsed, ChatCompletionRequest):
+        return
+    limit = gw.config.max_prompts_per_request
+    if len(parsed.prompts) > limit:
+        raise bad_request(
+            f"'prompt' holds {len(parsed.prompts)} prompts; at most {limit} are accepted in one "
+            "request.",
+            param="prompt",
+        )
 
 
 def _wire_sampling(parsed: GenerationRequest, max_tokens: int) -> SamplingParams:
@@ -164,25 +227,22 @@ def _wire_sampling(parsed: GenerationRequest, max_tokens: int) -> SamplingParams
     )
 
 
-def _choices(
-    model: ServedModel,
-    parsed: GenerationRequest,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    keep: bool,
-) -> list[Choice]:
-    """Per choice: its detokenizer, log-probs, tool-call parser and echo."""
+def _choices(job: Job, prompt: int, keep: bool) -> list[Choice]:
+    """The choices of prompt `prompt`, indices prompt * n .. prompt * n + n - 1 (OpenAI's
+    order): each with its detokenizer, log-probs, tool-call parser and echo."""
+    parsed, model, sampling = job.parsed, job.model, job.sampling
+    prompt_ids = job.prompts[prompt]
     kind: Kind = "chat" if isinstance(parsed, ChatCompletionRequest) else "completion"
     names = _tool_names(parsed)
     echo = None
     if isinstance(parsed, CompletionRequest) and parsed.echo:
-        text = parsed.prompt
+        text = parsed.prompts[prompt]
         if not isinstance(text, str):
             text = model.decoder.decode(prompt_ids, skip_special_tokens=False)
         echo = text
     return [
         Choice(
-            index=i,
+            index=prompt * sampling.n + i,
             detok=IncrementalDetokenizer.create(model.decoder, prompt_ids, sampling.stop),
             logprobs=None if sampling.logprobs is None else LogprobsFormatter(kind, model.decoder),
             tools=None if names is None else ToolStream(names),
@@ -207,32 +267,52 @@ def _tool_names(parsed: GenerationRequest) -> frozenset[str] | None:
     return config.names
 
 
-async def _prompt_ids(gw: Gateway, model: ServedModel, parsed: GenerationRequest) -> list[int]:
-    if isinstance(parsed, ChatCompletionRequest) or isinstance(parsed.prompt, str):
-        if isinstance(parsed, ChatCompletionRequest):
-            messages, specs = tools.chat_input(
-                parsed.template_messages(), parsed.tool_config, model.template_has_tools
-            )
-            ids = await gw.registry.run(model.chat_ids, messages, specs)
-        else:
-            ids = await gw.registry.run(model.encode, parsed.prompt)
-        if not ids:
-            raise bad_request("The prompt is empty after tokenization.", param=_param(parsed))
-        return ids
-    if max(parsed.prompt) >= model.vocab_size:
-        raise bad_request(
-            f"'prompt' holds token ids outside the vocabulary (size {model.vocab_size}).",
-            param="prompt",
+async def _prompts(gw: Gateway, model: ServedModel, parsed: GenerationRequest) -> list[list[int]]:
+    """Each prompt's token ids (texts tokenized on the tokenizer thread, a list in one call),
+    refused (400) when empty or outside the vocabulary; with several, the error names which."""
+    if isinstance(parsed, ChatCompletionRequest):
+        messages, specs = tools.chat_input(
+            parsed.template_messages(), parsed.tool_config, model.template_has_tools
         )
-    return parsed.prompt
+        prompts = [await gw.registry.run(model.chat_ids, messages, specs)]
+    elif isinstance(parsed.prompts[0], str):
+        prompts = await gw.registry.run(_encode_all, model, parsed.prompts)
+    else:  # token ids, never empty (the request model): only the vocabulary is left to check
+        prompts = [ids for ids in parsed.prompts if isinstance(ids, list)]
+        for i, ids in enumerate(prompts):
+            if max(ids) >= model.vocab_size:
+                raise bad_request(
+                    f"{_where(i, len(prompts))}'prompt' holds token ids outside the vocabulary "
+                    f"(size {model.vocab_size}).",
+                    param="prompt",
+                )
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise bad_request(
+                f"{_where(i, len(prompts))}The prompt is empty after tokenization.",
+                param=_param(parsed),
+            )
+    return prompts
+
+
+def _encode_all(model: ServedModel, texts: list[str]) -> list[list[int]]:
+    return [model.encode(text) for text in texts]
+
+
+def _where(index: int, num_prompts: int) -> str:
+    """What an error about one prompt starts with: nothing for a lone one."""
+    return "" if num_prompts == 1 else f"prompt[{index}]: "
 
 
 def _param(parsed: GenerationRequest) -> str:
     return "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
 
 
-def _max_tokens(gw: Gateway, model: ServedModel, parsed: GenerationRequest, num_prompt: int) -> int:
-    """The client's max_tokens or the route's default, refused (400) past the context window."""
+def _max_tokens(
+    gw: Gateway, model: ServedModel, parsed: GenerationRequest, num_prompt: int, where: str = ""
+) -> int:
+    """The client's max_tokens or the route's default, refused (400) past the context window
+    (`where`: which prompt, the error's first words)."""
     limit = model.card.max_model_len
     max_tokens = parsed.max_tokens
     if max_tokens is None:  # chat: as much as fits, capped; completions: OpenAI's 16
@@ -242,7 +322,7 @@ def _max_tokens(gw: Gateway, model: ServedModel, parsed: GenerationRequest, num_
             max_tokens = gw.config.completion_default_max_tokens
     if num_prompt + max(max_tokens, 1) > limit:  # echo's max_tokens 0 still makes one
         raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{where}This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
             f"the completion). Please reduce the prompt or max_tokens.",
             param=_param(parsed),

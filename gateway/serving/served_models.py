@@ -17,9 +17,10 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from jinja2 import TemplateError
@@ -29,13 +30,17 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from gateway.openai.errors import ApiError, bad_request, model_not_found
+from gateway.openai.generation_fields import GenerationFields
 from gateway.serving.tasks import cancel_and_wait
 from generation import grammar as grammars
 from protocol import HEARTBEAT_TTL_S, Keys, ModelCard
 from protocol.messages import MESSAGE_FIELD
 from protocol.model_card import tokenizer_from_card
+from protocol.sampling_defaults import SamplingDefaults
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=GenerationFields)
 
 
 @dataclass(slots=True)
@@ -48,6 +53,8 @@ class ServedModel:
     # llguidance's view of the tokenizer, to compile grammars against (None: it could not be
     # built; grammars are then checked without it). Only on the tokenizer thread.
     lltokenizer: LLTokenizer | None = None
+    # The card's, validated when it was read (a card with bad ones is not served).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def name(self) -> str:
@@ -65,6 +72,13 @@ class ServedModel:
         """Whether the chat template renders a `tools` argument itself."""
         template = self.tokenizer.chat_template
         return isinstance(template, str) and "tools" in template
+
+    def with_defaults(self, request: R, prompts: Sequence[Sequence[int]]) -> R:
+        """`request` with this model's sampling defaults in the fields it did not send (the
+        request path calls it once its prompts are tokenized, before reading max_tokens): a
+        default max_tokens is capped to what fits beside the longest prompt."""
+        room = self.card.max_model_len - max(map(len, prompts), default=0)
+        return request.with_defaults(self.sampling_defaults, room)
 
     def grammar_error(self, grammar: str) -> str | None:
         """Why `grammar` does not compile for this model (None: it does)."""
@@ -212,6 +226,7 @@ class ModelRegistry:
             return
         try:
             card = ModelCard.decode(fields)
+            defaults = SamplingDefaults.from_dict(card.sampling_defaults)
             tokenizer = await self.run(tokenizer_from_card, card)
             decoder = await self.run(Tokenizer.from_str, card.tokenizer_json)
         except Exception as e:  # one bad card must not stop the others
@@ -226,6 +241,6 @@ class ModelRegistry:
             log.warning("no llguidance tokenizer model=%s error=%s", name, type(e).__name__)
             lltokenizer = None
         self._models[name] = ServedModel(
-            card, tokenizer, decoder, digest, time.monotonic(), lltokenizer
+            card, tokenizer, decoder, digest, time.monotonic(), lltokenizer, defaults
         )
         log.info("model card loaded model=%s max_model_len=%d", name, card.max_model_len)

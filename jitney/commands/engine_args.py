@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from jitney.flag_defaults import field_defaults
-from scheduler import POLICIES
+from scheduler import POLICIES, SPECULATIVE_METHODS
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -81,6 +81,43 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="a sequence preempted N times is spared as a victim while others can be preempted",
     )
     g.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=engine["speculative"],
+        help="speculative decoding: ngram verifies prompt-lookup drafts beside the batch's "
+        "decodes (greedy requests of small batches; the same tokens, fewer steps); none: off",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=engine["num_speculative_tokens"],
+        metavar="K",
+        help="the most draft tokens one sequence verifies per step",
+    )
+    g.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=engine["prompt_lookup_max"],
+        metavar="N",
+        help="ngram: the longest tail looked up earlier in the sequence",
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=engine["prompt_lookup_min"],
+        metavar="N",
+        help="ngram: the shortest tail looked up",
+    )
+    g.add_argument(
+        "--speculative-max-step-tokens",
+        type=int,
+        default=engine["speculative_max_step_tokens"],
+        metavar="N",
+        help="drafts only while a step's rows (drafts included) stay within N: past the rows "
+        "a step reads the weights for at about one row's cost, rejected drafts cost (5: this "
+        "2-core CPU's; a GPU gains to far more)",
+    )
+    g.add_argument(
         "--max-model-len",
         type=int,
         default=engine["max_model_len"],
@@ -138,6 +175,11 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         max_queue_delay=args.max_queue_delay,
         reserve_full_length=args.reserve,
         max_preemptions_per_seq=args.max_preemptions_per_seq,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
+        speculative_max_step_tokens=args.speculative_max_step_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,

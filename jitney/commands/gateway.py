@@ -36,6 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=int, default=config["max_body_bytes"], help="larger bodies get 413"
     )
     p.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=config["max_prompts_per_request"],
+        metavar="N",
+        help="a /v1/completions list of more prompts is a 400 (each prompt is one queue entry)",
+    )
+    p.add_argument(
         "--max-queue-len",
         type=int,
         default=config["max_queue_len"],
@@ -175,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             key_prefix=args.key_prefix,
             max_body_bytes=args.max_body_bytes,
             max_queue_len=args.max_queue_len,
+            max_prompts_per_request=args.max_prompts_per_request,
             max_queued_tokens=args.max_queued_tokens,
             request_timeout=args.request_timeout,
             chat_default_max_tokens=args.chat_default_max_tokens,

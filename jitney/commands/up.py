@@ -24,7 +24,11 @@ from dataclasses import dataclass, field
 from gateway.config import GatewayConfig
 from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
 from jitney.commands.local_stack import LocalStack, published
-from jitney.commands.worker import METRICS_PORT
+from jitney.commands.worker import (
+    METRICS_PORT,
+    add_generation_config_arguments,
+    generation_config_argv,
+)
 from jitney.flag_defaults import field_defaults
 from launch.private_redis import die_with_parent, private_redis
 from protocol import redacted, redis_url
@@ -47,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=METRICS_PORT,
         help="first worker's metrics port (worker i uses this + i)",
     )
+    add_generation_config_arguments(p)
     add_engine_arguments(p)
 
 
@@ -180,6 +185,7 @@ def _run(args: argparse.Namespace) -> int:
                 [
                     "worker",
                     *engine_args_to_argv(args),
+                    *generation_config_argv(args),
                     "--metrics-port",
                     str(args.metrics_port + i),
                 ],

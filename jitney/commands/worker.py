@@ -78,7 +78,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="debug logs every request"
     )
+    add_generation_config_arguments(p)
     add_engine_arguments(p)
+
+
+def add_generation_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The sampling defaults' flags (worker.generation_defaults); `jitney up` passes them on."""
+    from worker.service_config import ServiceConfig
+
+    service = field_defaults(ServiceConfig)
+    p.add_argument(
+        "--generation-config",
+        default=service["generation_config"],
+        metavar="auto|vllm|DIR",
+        help="the sampling defaults for fields a request leaves out: auto, the model's "
+        "generation_config.json (and SmolLM2's recommended temperature 0.2, top_p 0.9); vllm, "
+        "the API's own; or DIR's generation_config.json",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        default=service["override_generation_config"],
+        metavar="JSON",
+        help="a JSON object of sampling defaults that win over the file's, e.g. "
+        '{"temperature": 0.5}; keys: temperature, top_p, top_k, repetition_penalty, '
+        "max_new_tokens",
+    )
+
+
+def generation_config_argv(args: argparse.Namespace) -> list[str]:
+    """Those flags of `args` as a command line, where they differ from their defaults."""
+    from worker.service_config import ServiceConfig
+
+    service = field_defaults(ServiceConfig)
+    argv: list[str] = []
+    for flag in ("generation_config", "override_generation_config"):
+        if getattr(args, flag) != service[flag]:
+            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.llm_engine import Engine
     from protocol import NOOP_MODEL, redacted, redis_url
     from protocol.model_card import card_from_tokenizer
+    from worker import generation_defaults
     from worker.engine_loop import StepFailuresExceeded, WorkerService
     from worker.failpoints import Failpoints
     from worker.log_fields import kv
@@ -98,7 +135,12 @@ def run(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         config = ServiceConfig(
-            worker_id, args.idle_block_ms, args.shutdown_timeout, args.stall_timeout
+            worker_id,
+            args.idle_block_ms,
+            args.shutdown_timeout,
+            args.stall_timeout,
+            generation_config=args.generation_config,
+            override_generation_config=args.override_generation_config,
         )
     except ValueError as e:
         logger.error("cannot_start %s", kv(error=e))
@@ -117,8 +159,19 @@ def run(args: argparse.Namespace) -> int:
     if loaded.name == NOOP_MODEL and served != NOOP_MODEL:  # it must announce itself as noop
         logger.error("cannot_start %s", kv(error="--model noop cannot take a served name"))
         return 2
+    try:
+        defaults = generation_defaults.resolve(
+            config.generation_config, config.generation_override, loaded.generation_config
+        )
+    except ValueError as e:  # the file holds a bad value
+        logger.error("cannot_start %s", kv(error=e))
+        return 2
+    logger.info(
+        "sampling_defaults %s",
+        kv(source=config.generation_config, **defaults.to_dict()),
+    )
     card = card_from_tokenizer(
-        served, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids)
+        served, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids), defaults
     )
     metrics = WorkerMetrics(served, worker_id)
     try:

@@ -7,6 +7,9 @@ Step contract (the engine and the simulator drive every policy alike):
     plan = policy.schedule(now)              # chunks to compute; KV already allocated
     sampled = run(plan)                      # one token for every chunk with `samples`
     released = policy.update(plan, sampled, now_after_step)
+
+A chunk with draft tokens (speculative decoding, continuous batching only) gives its sequence
+the drafts the model accepted (`accepted`, in order) and then its sampled token.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from scheduler.block_manager import KVBlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.plan import ScheduledChunk, SchedulerStats, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.speculation import NgramProposer, Proposer, SpeculativeConfig
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -38,6 +42,8 @@ class BatchingPolicy(ABC):
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
         self.stats = SchedulerStats(num_total_blocks=kv.num_blocks)
+        # Who proposes draft tokens (None: no speculation); a draft model replaces it here.
+        self.proposer: Proposer | None = _proposer_for(config.speculative)
 
     # ----- requests in and out -----------------------------------------------------------------
     def add_request(self, seq: Sequence, front: bool = False) -> None:
@@ -125,25 +131,48 @@ class BatchingPolicy(ABC):
         sampled_token_ids: Mapping[str, int],
         stopped_seq_ids: Collection[str] = (),
         now: float = 0.0,
+        accepted: Mapping[str, list[int]] | None = None,
     ) -> list[Sequence]:
         """Apply a step's results. `stopped_seq_ids` are sequences the worker found a stop
-        string in. Returns the sequences released to their clients in this update."""
+        string in; `accepted`, the draft tokens each verifying sequence keeps (before its
+        sampled token). Returns the sequences released to their clients in this update."""
         done: list[Sequence] = []
         for chunk in plan.chunks:
             seq = self.seqs.get(chunk.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            tokens = [sampled_token_ids[seq.seq_id]] if chunk.samples else []
+            if chunk.num_draft_tokens:
+                tokens[:0] = (accepted or {}).get(seq.seq_id, ())
+                self._verified(seq, chunk, len(tokens) - 1)
+            else:
+                seq.num_computed_tokens = chunk.start + chunk.num_tokens
             self.kv.commit_computed(seq)
-            if not chunk.samples:
+            if not tokens:
                 continue
-            finish = seq.append_token(sampled_token_ids[seq.seq_id])
+            for token in tokens:  # an accepted stop token ends it: the rest are not kept
+                if (finish := seq.append_token(token)) is not None:
+                    break
             if finish is None and seq.seq_id in stopped_seq_ids:
                 finish = SequenceStatus.FINISHED_STOPPED
             if finish is not None:
                 self._finish(seq, finish, now)
                 done.append(seq)
         return self._on_finished(done, now)
+
+    def _verified(self, seq: Sequence, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """The fed token and the accepted drafts hold K/V now; the rejected drafts' slots go
+        back to the pool."""
+        seq.num_computed_tokens = chunk.start + 1 + num_accepted
+        seq.draft_token_ids = []
+        # All accepted: try twice as many next time; else one more than were accepted.
+        k = chunk.num_draft_tokens
+        seq.max_draft_tokens = 2 * k if num_accepted == k else num_accepted + 1
+        self.kv.trim(seq, seq.num_computed_tokens, self._reserve_tokens(seq))
+        stats = self.stats
+        stats.num_draft_tokens_total += chunk.num_draft_tokens
+        stats.num_accepted_tokens_total += num_accepted
+        stats.num_verifications_total += 1
 
     def _on_finished(self, done: list[Sequence], now: float) -> list[Sequence]:
         """Continuous batching releases finished sequences at once (policies may hold them)."""
@@ -180,6 +209,12 @@ class BatchingPolicy(ABC):
         self._add_chunk(plan, seq, num_new)
         return num_new
 
+    def _add_verification(self, plan: StepPlan, seq: Sequence, drafts: list[int]) -> None:
+        """A decode that also computes `drafts` after the sequence's last token (KV allocated)."""
+        seq.draft_token_ids = drafts
+        start, num_tokens = seq.num_computed_tokens, 1 + len(drafts)
+        plan.chunks.append(ScheduledChunk(seq.seq_id, start, num_tokens, True, False, len(drafts)))
+
     def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
         if num_new <= 0:
             return
@@ -200,3 +235,9 @@ class BatchingPolicy(ABC):
         s.num_prefix_queries_total = self.kv.num_prefix_queries
         s.num_prefix_hits_total = self.kv.num_prefix_hits
         s.limit = plan.limit
+
+
+def _proposer_for(config: SpeculativeConfig) -> Proposer | None:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    return None

@@ -15,6 +15,10 @@ One step:
    reservation mode (which promises no preemption); a victim is not readmitted in the step that
    evicted it. A long prompt takes `min(budget left, prompt left)` tokens and finishes its
    prefill in later steps, sharing them with decodes (chunked prefill).
+With speculation on (scheduler/speculation/), a decoding sequence that the engine lets
+speculate gets a verification instead of a plain decode (its last token and the proposer's
+drafts in one chunk) while the step's rows stay within `max_step_tokens` and the budget and
+free blocks allow (never by preempting).
 Finished sequences leave the batch in the update of the step that finished them.
 """
 
@@ -65,6 +69,11 @@ class ContinuousBatching(BatchingPolicy):
                     break
                 i += 1
                 continue
+            if num_new == 1 and (drafts := self._drafts(seq, budget, plan, i)):
+                self._add_verification(plan, seq, drafts)
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             while not self.kv.allocate_slots(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -83,6 +92,42 @@ class ContinuousBatching(BatchingPolicy):
                 plan.limit = StepLimit.KV
                 break
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int, plan: StepPlan, i: int) -> list[int]:
+        """Draft tokens for a decoding sequence to verify this step, their KV allocated; none
+        when it does not speculate. Speculation never preempts: without spare free blocks for
+        the drafts the sequence decodes plainly."""
+        spec = self.config.speculative
+        if (
+            self.proposer is None
+            or not seq.speculates
+            or not seq.num_output_tokens
+            or seq.num_uncomputed_tokens != 1
+            or len(self.running) >= spec.max_step_tokens
+        ):
+            return []
+        # The step's rows so far, this token and one for each running sequence after it.
+        rows = plan.num_batched_tokens + len(self.running) - i
+        # The verified tokens plus the one sampled after them must fit max_tokens and the budget.
+        room = min(
+            seq.max_draft_tokens or spec.num_speculative_tokens,
+            spec.num_speculative_tokens,
+            spec.max_step_tokens - rows,
+            budget - 1,
+            seq.limits.max_tokens - seq.num_output_tokens - 1,
+        )
+        if room < 1:
+            return []
+        drafts = self.proposer.propose(seq.token_ids(0, seq.num_tokens), room)
+        if not drafts:
+            return []
+        # Leave a free block for every running sequence, so that the drafts never make another
+        # sequence's plain decode preempt.
+        kv = self.kv
+        grow = kv.blocks_for(seq.num_tokens + len(drafts)) - len(kv.block_ids(seq.seq_id))
+        if grow > 0 and kv.num_free_blocks - grow < len(self.running):
+            return []
+        return drafts if kv.allocate_slots(seq, 1 + len(drafts)) else []
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting and len(self.running) >= self.config.max_num_seqs:
@@ -140,6 +185,7 @@ class ContinuousBatching(BatchingPolicy):
         refund = sum(c.num_tokens for c in plan.chunks if c.seq_id == seq.seq_id)
         plan.chunks = [c for c in plan.chunks if c.seq_id != seq.seq_id]
         self.kv.free(seq)
+        seq.draft_token_ids = []
         seq.set_status(SequenceStatus.PREEMPTED)
         lost, seq.num_computed_tokens = seq.num_computed_tokens, 0
         seq.num_preemptions += 1

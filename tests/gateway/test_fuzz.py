@@ -3,7 +3,7 @@
 At least 2,000 generated bodies: valid-shaped with bad (or good) values, random JSON, random
 bytes, deep nesting, huge numbers and bodies, unicode with lone surrogates. Over all of them:
 no 5xx, the process stays up, every 4xx is an OpenAI error body that quotes nothing of the
-input, and the request stream holds exactly one entry per accepted (200) request.
+input, and the request stream holds exactly one entry per accepted (200) request's prompt.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from tests.services import RedisServer, wait_for
 SECRET = "SECRET-d4e5"  # planted in every string a body carries; no error may repeat it
 MAX_BODY = 65_536
 EXAMPLES = 2_000
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+ENQUEUING = ("/v1/completions", "/v1/chat/completions")  # a 200 there is one queue entry
+ROUTES = (*ENQUEUING, "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -89,6 +90,7 @@ prompt = st.one_of(
     st.just(""),
     token_ids,
     st.lists(marked, max_size=3),
+    st.lists(token_ids, max_size=3),
     st.text(min_size=100, max_size=400).map(lambda s: SECRET + s),  # over the context window
     random_json,
 )
@@ -139,6 +141,13 @@ sampling: dict[str, st.SearchStrategy[Any]] = {
     "logit_bias": st.dictionaries(st.integers(-1, 400).map(str) | marked, number, max_size=4)
     | random_json,
     "min_tokens": st.integers(-2, 80) | marked,
+    # /tokenize and /detokenize
+    "add_special_tokens": st.booleans() | marked,
+    "return_token_strs": st.booleans() | st.integers(),
+    "add_generation_prompt": st.booleans() | marked,
+    "continue_final_message": st.booleans() | marked,
+    "chat_template_kwargs": st.dictionaries(marked, random_json, max_size=3) | random_json,
+    "tokens": token_ids | random_json,
     SECRET: random_json,
 }
 completion = st.fixed_dictionaries({"prompt": prompt}, optional=sampling)
@@ -159,11 +168,13 @@ good = {
 good_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system"]), "content": unicode}
 )
-plausible = st.fixed_dictionaries({"prompt": unicode | token_ids}, optional=good) | (
+prompts = st.lists(unicode, min_size=2, max_size=3) | st.lists(token_ids, min_size=2, max_size=3)
+plausible = st.fixed_dictionaries({"prompt": unicode | token_ids | prompts}, optional=good) | (
     st.fixed_dictionaries(
         {"messages": st.lists(good_message, min_size=1, max_size=3)}, optional=good
     )
 )
+detokenizable = st.fixed_dictionaries({"tokens": token_ids}, optional=good)
 
 
 def encode(obj: Any, ascii_only: bool) -> bytes:
@@ -171,8 +182,17 @@ def encode(obj: Any, ascii_only: bool) -> bytes:
     return json.dumps(obj, ensure_ascii=ascii_only, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
+def num_entries(body: bytes) -> int:
+    """Queue entries of an accepted generation request: one per prompt of a list."""
+    prompt = json.loads(body).get("prompt")
+    several = isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt)
+    return len(prompt) if several and len(prompt) > 1 else 1
+
+
 shaped = st.builds(
-    encode, st.one_of(completion, chat, plausible, plausible, random_json), st.booleans()
+    encode,
+    st.one_of(completion, chat, plausible, plausible, detokenizable, random_json),
+    st.booleans(),
 )
 bodies = st.one_of(
     shaped,
@@ -235,7 +255,7 @@ def test_fuzzed_bodies_never_crash_and_never_enqueue_rejects(live: Live) -> None
         tally.statuses[status] = tally.statuses.get(status, 0) + 1
         assert status < 500, (status, raw[:300], body[:300])
         if status == 200:
-            tally.accepted += 1
+            tally.accepted += num_entries(body) if route in ENQUEUING else 0
             return
         text = raw.decode()
         assert SECRET not in text, (status, text[:300])

@@ -246,15 +246,29 @@ def test_required_forces_valid_calls(lltok: Any, tokenizer: PreTrainedTokenizerF
     assert not any(forced_accepts(grammar.text, t, lltok, tokenizer) for t in bad)
 
 
-def test_a_named_function_without_parallel_calls_forces_one_call(
-    lltok: Any, tokenizer: PreTrainedTokenizerFast
+@pytest.mark.parametrize(
+    "parallel", [{}, {"parallel_tool_calls": True}, {"parallel_tool_calls": False}]
+)
+def test_a_named_function_forces_exactly_one_call(
+    parallel: dict[str, bool], lltok: Any, tokenizer: PreTrainedTokenizerFast
 ) -> None:
+    """As vLLM: a named choice is one call whatever parallel_tool_calls says (langchain's
+    bind_tools(tool_choice=name) must not get the call twice)."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    grammar = config(tool_choice=named, parallel_tool_calls=False).grammar()
+    grammar = config(tool_choice=named, **parallel).grammar()
     assert grammar is not None and grammar.param == "tool_choice"
     assert forced_accepts(grammar.text, CALL, lltok, tokenizer)
     assert not forced_accepts(grammar.text, TIME_CALL, lltok, tokenizer)
     assert not forced_accepts(grammar.text, CALL + "\n" + CALL, lltok, tokenizer)
+
+
+def test_required_without_parallel_calls_forces_one_call(
+    lltok: Any, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    grammar = config(tool_choice="required", parallel_tool_calls=False).grammar()
+    assert grammar is not None and grammar.param == "tools"
+    assert forced_accepts(grammar.text, TIME_CALL, lltok, tokenizer)
+    assert not forced_accepts(grammar.text, CALL + "\n" + TIME_CALL, lltok, tokenizer)
 
 
 # --- reading calls back -------------------------------------------------------------------------

@@ -30,7 +30,12 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, {"prompt": {SECRET: 1}}, "prompt"),
     (COMPLETIONS, {"prompt": ""}, "prompt"),
     (COMPLETIONS, {"prompt": []}, "prompt"),
-    (COMPLETIONS, {"prompt": [SECRET, SECRET]}, "prompt"),  # several prompts
+    (COMPLETIONS, {"prompt": [SECRET, ""]}, "prompt"),  # several prompts, one empty
+    (COMPLETIONS, {"prompt": [SECRET, 5]}, "prompt"),  # texts and ids mixed
+    (COMPLETIONS, {"prompt": [[1, 2], [SECRET]]}, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3, -1]]}, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3, 10**9]]}, "prompt"),  # outside the vocabulary
+    (COMPLETIONS, {"prompt": [SECRET, "\ud800" + SECRET]}, "prompt"),  # a lone surrogate
     (COMPLETIONS, {"prompt": [1, -2]}, "prompt"),
     (COMPLETIONS, {"prompt": [1, 10**9]}, "prompt"),  # outside the vocabulary
     (COMPLETIONS, {"prompt": [1, True]}, "prompt"),

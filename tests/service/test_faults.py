@@ -65,13 +65,18 @@ def kv_idle(worker: Worker) -> bool:
     ) == worker.metric("jitney_kv_blocks_total")
 
 
-async def test_worker_killed_mid_generation_loses_and_repeats_nothing():
+SPECULATING = ("--speculative", "ngram", "--speculative-max-step-tokens", "64")
+
+
+@pytest.mark.parametrize("flags", [(), SPECULATING], ids=["plain", "speculating"])
+async def test_worker_killed_mid_generation_loses_and_repeats_nothing(flags: tuple[str, ...]):
     """12 concurrent greedy streams over two workers; one worker is SIGKILLed at a random
     moment mid-generation. The other takes its requests over (lease expiry, fence, XCLAIM) and
-    continues after the tokens already delivered: every client's text equals a no-fault run."""
+    continues after the tokens already delivered: every client's text equals a no-fault run.
+    Speculating, the victim dies between verifications that gave several tokens a step."""
     n, prompts = 160, random_prompts(11, 12)
     body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-    with running_system(("k1", "k2")) as system:
+    with running_system(("k1", "k2"), worker_flags=flags) as system:
         r = system.server.client()
         async with aiohttp.ClientSession() as session:
             streams = start_streams(session, system.base, body, prompts)
@@ -88,6 +93,8 @@ async def test_worker_killed_mid_generation_loses_and_repeats_nothing():
             assert_same_greedy_text(ref, prompt, text, want)
         taken = survivor.metric("jitney_request_handoffs_total", event="taken_over")
         assert taken == pending[victim.worker_id]
+        if flags:
+            assert survivor.metric("jitney_spec_decode_num_accepted_tokens_total") > 0
         assert r.exists(KEYS.fenced(victim.worker_id))
         wait_for(lambda: kv_idle(survivor), 10, "survivor idle")
         assert_nothing_left(r)

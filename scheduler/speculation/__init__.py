@@ -1,0 +1,13 @@
+"""Speculative decoding, the scheduler's side: who proposes draft tokens, and how many.
+
+A proposer guesses the next tokens of a decoding sequence; the step computes the sequence's last
+token and its k drafts as one chunk of k + 1 query tokens, and the engine keeps the longest
+prefix of drafts the target model itself would have produced (engine/speculative.py). The
+n-gram proposer (prompt lookup) is pure and lives here; a draft model or a learned head (EAGLE,
+MTP) plugs into the same `Proposer` seam from the engine.
+"""
+
+from scheduler.speculation.ngram import NgramProposer
+from scheduler.speculation.proposer import Proposer, SpeculativeConfig
+
+__all__ = ["NgramProposer", "Proposer", "SpeculativeConfig"]

@@ -1,0 +1,32 @@
+"""Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's tail.
+
+Answers that quote their prompt (summaries, rewrites, code edits, extracted names) repeat spans
+of it; when the last n tokens appeared before, what came after them then is a cheap guess of
+what comes now. Longer n-grams are tried first (fewer, better matches); the latest occurrence
+wins (the most recent context is likeliest to continue alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class NgramProposer:
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def propose(self, token_ids: SequenceABC[int], max_tokens: int) -> list[int]:
+        n_tokens = len(token_ids)
+        if max_tokens < 1:
+            return []
+        for n in range(min(self.prompt_lookup_max, n_tokens - 1), self.prompt_lookup_min - 1, -1):
+            tail = list(token_ids[n_tokens - n :])
+            first = tail[0]
+            # Latest start i < n_tokens - n whose n tokens equal the tail.
+            for i in range(n_tokens - n - 1, -1, -1):
+                if token_ids[i] == first and list(token_ids[i : i + n]) == tail:
+                    follow = token_ids[i + n : i + n + max_tokens]
+                    return list(follow)
+        return []

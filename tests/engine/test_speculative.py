@@ -1,0 +1,135 @@
+"""Speculative decoding in the engine (n-gram drafts): the tokens are plain decoding's, stops
+cut where plain decoding stops, rows that cannot speculate are untouched, and the block pool
+adds up after every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm_engine import Engine
+from engine.models.model_loader import LoadedModel
+from generation.sampling_params import SamplingParams
+from tests.engine.engine_helpers import make_engine
+
+# Random weights loop quickly, so their greedy replies repeat spans: drafts get accepted.
+PROMPTS = [[5, 6, 7, 8, 9] * 4, list(range(3, 40)), [11, 12, 13, 11, 12, 13, 14] * 2]
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Every request to the end, step by step (the pool checked after each): request id ->
+    each choice's tokens, then the text and finish reason of choice 0."""
+    tokens: dict[str, dict[int, list[int]]] = {}
+    ends: dict[str, tuple[str, str | None]] = {}
+    text: dict[str, str] = {}
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+        tokens[f"r{i}"] = {}
+        text[f"r{i}"] = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].setdefault(out.index, []).extend(out.new_token_ids)
+            if out.index == 0:
+                text[out.request_id] += out.delta_text
+                if out.finished:
+                    ends[out.request_id] = (text[out.request_id], out.finish_reason)
+        engine.block_manager.check_integrity()
+    return {rid: [sorted(t.items()), ends[rid]] for rid, t in tokens.items()}
+
+
+def both(loaded: LoadedModel, requests, **config) -> tuple[dict, dict, Engine]:
+    off = make_engine(loaded, kv_cache_memory="16MiB", **config)
+    on = make_engine(loaded, kv_cache_memory="16MiB", speculative="ngram", **config)
+    return run(off, requests), run(on, requests), on
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},  # Jitney's forward, decode attention in place (the CPU default)
+        {"decode_attention": "gather"},
+        {"model_impl": "transformers"},
+        {"num_speculative_tokens": 1, "prompt_lookup_min": 1},
+    ],
+)
+def test_greedy_tokens_are_those_of_plain_decoding(loaded: LoadedModel, config: dict):
+    plain, spec, engine = both(loaded, [(p, GREEDY) for p in PROMPTS], **config)
+    assert spec == plain
+    stats = engine.stats
+    assert stats.num_verifications_total > 0
+    assert 0 < stats.num_accepted_tokens_total <= stats.num_draft_tokens_total
+
+
+def _mid_span(loaded: LoadedModel, prompt: list[int], search: bool = True) -> tuple[int, list[int]]:
+    """The first occurrence of some token inside a step that gave several tokens, not at
+    that step's end (so a stop there must cut the step's tokens); and the greedy output."""
+    engine = make_engine(loaded, kv_cache_memory="16MiB", speculative="ngram")
+    engine.add_request("r", prompt, GREEDY)
+    steps: list[list[int]] = []
+    while engine.has_unfinished():
+        steps += [out.new_token_ids for out in engine.step() if out.new_token_ids]
+    tokens = [t for step in steps for t in step]
+    at = 0
+    if not search:
+        return -1, tokens
+    for step in steps:
+        for i in range(at, at + len(step) - 1):  # never a step's last token
+            if tokens[i] not in tokens[:i] and i > at:
+                return i, tokens
+        at += len(step)
+    raise AssertionError("no step gave several tokens with a new one before its last")
+
+
+def test_stop_strings_and_stop_tokens_cut_where_plain_decoding_stops(loaded: LoadedModel):
+    # A prompt that ends in the model's own greedy loop: its reply continues the loop, copied
+    # from the prompt by the drafts, so tokens new to the reply come inside accepted spans.
+    _, loop = _mid_span(loaded, PROMPTS[0], search=False)
+    prompt = PROMPTS[0] + loop[:30]
+    at, tokens = _mid_span(loaded, prompt)
+    text = loaded.tokenizer.decode(tokens[: at + 1])
+    # The shortest tail of the text up to that token that appears nowhere before it.
+    stop = next(text[-n:] for n in range(1, len(text)) if text.find(text[-n:]) == len(text) - n)
+    at_string = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop,))
+    at_token = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=(tokens[at],))
+    plain, spec, engine = both(loaded, [(prompt, at_string), (prompt, at_token)])
+    assert spec == plain
+    assert [end[1] for _, end in plain.values()] == ["stop", "stop"]
+    assert len(plain["r1"][0][0][1]) == at + 1  # ends with the stop token
+    assert engine.stats.num_accepted_tokens_total > 0
+
+
+def test_rows_that_do_not_speculate_are_untouched_beside_those_that_do(loaded: LoadedModel):
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=30, temperature=0, logprobs=2, ignore_eos=True)
+    penalised = SamplingParams(
+        max_tokens=30, temperature=0, repetition_penalty=1.3, ignore_eos=True
+    )
+    two = SamplingParams(max_tokens=30, temperature=0, n=2, ignore_eos=True)
+    requests = [(PROMPTS[0], GREEDY), (PROMPTS[1], sampled), (PROMPTS[2], with_logprobs)]
+    requests += [(PROMPTS[0], penalised), (PROMPTS[2], two)]
+    plain, spec, engine = both(loaded, requests, speculative_max_step_tokens=64)
+    assert spec == plain
+    assert engine.stats.num_verifications_total > 0
+
+
+def test_preempted_and_recomputed_speculating_sequences_keep_their_tokens(loaded: LoadedModel):
+    long = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    requests = [(p, long) for p in PROMPTS * 2]
+    config = {"speculative_max_step_tokens": 64, "max_model_len": 256}
+    off = make_engine(loaded, kv_cache_memory="160KiB", **config)
+    on = make_engine(loaded, kv_cache_memory="160KiB", speculative="ngram", **config)
+    plain, spec = run(off, requests), run(on, requests)
+    assert spec == plain
+    assert on.stats.num_preemptions_total > 0 and on.stats.num_accepted_tokens_total > 0
+
+
+def test_a_full_batch_of_speculating_sequences_trimming_and_regrowing_blocks(loaded):
+    """Twelve sequences verifying drafts every step: rejected drafts give blocks back that
+    others take, and a sequence grows into a different block where its table had one."""
+    prompts = [[(7 * i + 13 * j) % 250 + 3 for j in range(8 + i)] for i in range(12)]
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True, detokenize=False)
+    plain, spec, engine = both(
+        loaded, [(p, params) for p in prompts], speculative_max_step_tokens=64
+    )
+    assert spec == plain
+    assert engine.stats.num_draft_tokens_total > engine.stats.num_accepted_tokens_total > 0

@@ -1,0 +1,161 @@
+"""Speculative decoding in the scheduler: prompt-lookup proposals, verification chunks, the
+tokens an update keeps, and the rejected drafts' KV given back (integrity after every step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import (
+    ContinuousBatching,
+    KVBlockManager,
+    SchedulerConfig,
+    Sequence,
+    SequenceStatus,
+    SpeculativeConfig,
+)
+from scheduler.speculation import NgramProposer
+
+
+def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_tail():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3]
+    # The tail 1 2 3 last appeared at index 4: what followed it there comes next.
+    assert NgramProposer(3, 2).propose(tokens, 2) == [8, 7]
+    assert NgramProposer(3, 2).propose(tokens, 10) == [8, 7, 1, 2, 3]
+
+
+def test_ngram_tries_the_longest_tail_first_and_gives_nothing_without_a_match():
+    # Tail "5 6" matches at 0 (then 7); the longer tail "4 5 6" matches at 3 (then 1).
+    tokens = [5, 6, 7, 4, 5, 6, 1, 4, 5, 6]
+    assert NgramProposer(3, 2).propose(tokens, 1) == [1]
+    assert NgramProposer(2, 2).propose(tokens, 1) == [1]  # "5 6" latest at 4, then 1
+    assert NgramProposer(4, 2).propose([1, 2, 3, 4], 3) == []
+    assert NgramProposer(4, 2).propose([1, 1], 3) == []  # a tail needs one earlier copy
+    assert NgramProposer(4, 1).propose([1, 2, 1], 3) == [2, 1]
+    assert NgramProposer(3, 2).propose(tokens, 0) == []
+
+
+def test_a_bad_speculative_config_is_refused():
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig("medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig("ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig("ngram", prompt_lookup_max=2, prompt_lookup_min=3)
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        SpeculativeConfig("ngram", max_step_tokens=1)
+
+
+def _policy(num_blocks: int = 32, k: int = 4, max_step_tokens: int = 16) -> ContinuousBatching:
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=k, max_step_tokens=max_step_tokens)
+    config = SchedulerConfig(max_num_batched_tokens=64, speculative=spec)
+    return ContinuousBatching(config, KVBlockManager(num_blocks, 4))
+
+
+def _repeating(seq_id: str, max_tokens: int = 20, stop: tuple[int, ...] = ()) -> Sequence:
+    seq = Sequence.create(seq_id, [1, 2, 3, 4, 5, 1, 2, 3], max_tokens, stop_token_ids=stop)
+    seq.speculates = True
+    return seq
+
+
+def _prefill_and_first_token(policy: ContinuousBatching, token: int) -> None:
+    plan = policy.schedule(0)
+    assert all(c.is_prefill for c in plan.chunks)
+    policy.update(plan, {c.seq_id: token for c in plan.chunks})
+    policy.kv.check_integrity()
+
+
+def test_a_verification_keeps_the_accepted_drafts_and_gives_back_the_rejected_slots():
+    policy = _policy()
+    seq = _repeating("a")
+    policy.add_request(seq)
+    _prefill_and_first_token(policy, 4)  # ... 1 2 3 | 4: the tail "2 3 4" was followed by 5 1 2 3
+    plan = policy.schedule(1)
+    (chunk,) = plan.chunks
+    assert (chunk.start, chunk.num_tokens, chunk.num_draft_tokens) == (8, 5, 4)
+    assert seq.draft_token_ids == [5, 1, 2, 3]
+    assert policy.kv.blocks_for(13) == len(policy.kv.block_ids("a"))  # 8 + 1 + 4 slots
+    # The model agreed with 5 and 1, then picked 9 where the draft said 2.
+    policy.update(plan, {"a": 9}, accepted={"a": [5, 1]})
+    policy.kv.check_integrity()
+    assert seq.output_token_ids == [4, 5, 1, 9]
+    assert seq.num_computed_tokens == 11  # the fed 4 and the accepted 5 1 hold K/V
+    assert seq.num_uncomputed_tokens == 1 and seq.draft_token_ids == []
+    assert len(policy.kv.block_ids("a")) == policy.kv.blocks_for(11)  # 3 blocks, not 4
+    stats = policy.stats
+    assert (stats.num_draft_tokens_total, stats.num_accepted_tokens_total) == (4, 2)
+    assert stats.num_verifications_total == 1
+
+
+def test_drafts_never_pass_max_tokens_and_an_accepted_stop_token_ends_the_sequence():
+    policy = _policy()
+    short = _repeating("short", max_tokens=3)
+    stopping = _repeating("stopping", stop=(1,))
+    policy.add_request(short)
+    policy.add_request(stopping)
+    _prefill_and_first_token(policy, 4)
+    plan = policy.schedule(1)
+    drafts = {c.seq_id: c.num_draft_tokens for c in plan.chunks}
+    assert drafts == {"short": 1, "stopping": 4}  # short: 1 output + 1 draft + 1 sampled = 3
+    done = policy.update(
+        plan, {"short": 7, "stopping": 7}, accepted={"short": [5], "stopping": [5, 1, 2]}
+    )
+    policy.kv.check_integrity()
+    assert short.output_token_ids == [4, 5, 7] and short.status is SequenceStatus.FINISHED_LENGTH
+    assert stopping.output_token_ids == [4, 5, 1]  # 1 is a stop token: 2 and 7 are not kept
+    assert stopping.status is SequenceStatus.FINISHED_STOPPED
+    assert set(done) == {short, stopping}
+    assert policy.kv.num_used_blocks == 0
+
+
+def test_drafts_stay_within_the_step_rows_and_only_for_allowed_sequences():
+    policy = _policy(max_step_tokens=2)
+    a, b = _repeating("a"), _repeating("b")
+    policy.add_request(a)
+    policy.add_request(b)
+    _prefill_and_first_token(policy, 4)
+    assert all(c.num_draft_tokens == 0 for c in policy.schedule(1).chunks)  # 2 rows already
+
+    policy = _policy(max_step_tokens=5)
+    a, b = _repeating("a"), _repeating("b")
+    policy.add_request(a)
+    policy.add_request(b)
+    _prefill_and_first_token(policy, 4)
+    plan = policy.schedule(1)
+    # a takes 3 drafts (a's 4 rows + b's 1 = 5), b none: the step holds 5 rows.
+    assert [c.num_draft_tokens for c in plan.chunks] == [3, 0]
+    assert plan.num_batched_tokens == 5
+
+    policy = _policy()
+    plain = _repeating("plain")
+    plain.speculates = False
+    policy.add_request(plain)
+    _prefill_and_first_token(policy, 4)
+    assert policy.schedule(1).chunks[0].num_draft_tokens == 0
+
+
+def test_drafts_take_no_block_that_a_running_sequence_needs_this_step():
+    policy = _policy(num_blocks=6)
+    a, b = _repeating("a", max_tokens=10), _repeating("b", max_tokens=10)
+    policy.add_request(a)
+    policy.add_request(b)
+    _prefill_and_first_token(policy, 4)  # 2 + 2 blocks of 4 hold both prompts; 2 free
+    # a's 4 drafts would take both free blocks, and b's next token, needing one, would preempt.
+    plan = policy.schedule(1)
+    assert not plan.preempted_seq_ids
+    assert [c.num_draft_tokens for c in plan.chunks] == [0, 0]
+    policy.update(plan, {c.seq_id: 5 for c in plan.chunks})
+    policy.kv.check_integrity()
+    assert policy.kv.num_free_blocks == 0
+
+
+def test_a_trimmed_allocation_is_a_new_block_list():
+    """The model runner keys its device copy of a table on the list's identity: a list that
+    shrank and grew back to its old length must not look unchanged."""
+    kv = KVBlockManager(8, 4)
+    seq = Sequence.create("a", [1, 2, 3, 4, 5], 20)
+    assert kv.allocate_slots(seq, 5 + 7)  # 12 slots: 3 blocks
+    before = kv.block_ids("a")
+    assert kv.trim(seq, 6) == 1
+    assert kv.block_ids("a") is not before and len(kv.block_ids("a")) == 2
+    assert kv.trim(seq, 6) == 0
+    kv.check_integrity()

@@ -115,8 +115,14 @@ def sample_rows(
         logits = adjust_logits(logits, params, histories)
     if masks is not None:
         logits = apply_masks(logits, rows.constrained, masks)
-    # A draw's position is its output index, so a resumed request continues its stream.
-    tokens = sample(logits, params, [r.seq.num_output_tokens for r in reqs])
+    # A draw's position is its output index, so a resumed request continues its stream; a
+    # verification's sampling row comes after its drafts.
+    drafts = rows.draft_rows
+    positions = [
+        r.seq.num_output_tokens + drafts.get(seq_id, 0)
+        for seq_id, r in zip(rows.seq_ids, reqs, strict=True)
+    ]
+    tokens = sample(logits, params, positions)
     if any(p.logprobs is not None for p in params):
         found = token_logprobs(logits, tokens, [p.logprobs for p in params])
         result.logprobs = {i: lp for i, lp in zip(rows.seq_ids, found, strict=True) if lp}

@@ -2,14 +2,19 @@
 
 A verifying sequence's chunk is its last token and its k drafts (scheduler/speculation/). The
 forward returns logits for all k + 1 positions: the chunk's first k as extra rows after the
-sampling rows (the same mechanism as prompt log-probs), the last as its sampling row. Position
-j's pick is the token the model would have produced there without speculation; draft j + 1 is
-accepted while it equals that pick, and the first pick that differs (or the pick after the last
-draft) is the step's sampled token. So a greedy row's tokens are those of plain decoding, up to
-the near ties that a different kernel's rounding can flip (the parity tests' rule).
+sampling rows (the same mechanism as prompt log-probs), the last as its sampling row. Each
+position is sampled as plain decoding samples it (greedy: the argmax; sampled: the seeded draw of
+that output position), draft j + 1 is kept while it equals the pick at position j, and the first
+pick that differs (or the pick after the last draft) is the step's sampled token.
 
-Only greedy rows whose logits nothing else changes speculate for now (no penalties, bias,
-min_tokens, grammar or log-probs): the scheduler never gives drafts to the others.
+For a sampled row this is rejection sampling: a prompt-lookup draft is one token, not a
+distribution, so keeping it with probability p(draft) and otherwise drawing from p without it
+is the same as drawing from p and keeping the draft when the draw is it. Every token is the
+model's own draw, and a seeded request's tokens are those of plain sampling, position for
+position (up to the rounding of a different kernel: the parity tests' near-tie rule).
+
+Rows whose logits depend on the tokens before them within the chunk (penalties, bias,
+min_tokens, grammars) or that want log-probs do not speculate: the scheduler gives them no drafts.
 """
 
 from __future__ import annotations
@@ -28,12 +33,7 @@ if TYPE_CHECKING:  # engine.choices builds choices with may_speculate
 
 def may_speculate(params: SamplingParams, has_grammar: bool) -> bool:
     """Whether a choice's rows can be verified by comparing picks (see the module docstring)."""
-    return (
-        params.is_greedy
-        and not params.adjusts_logits
-        and params.logprobs is None
-        and not has_grammar
-    )
+    return not params.adjusts_logits and params.logprobs is None and not has_grammar
 
 
 def draft_rows(plan: StepPlan) -> dict[str, int]:
@@ -48,7 +48,7 @@ def verify_drafts(
     sampled: dict[str, int],
 ) -> dict[str, list[int]]:
     """The drafts each verifying sequence keeps; `sampled` gets the pick after the last of
-    them. One argmax over every draft row of the step."""
+    them. One pick over every draft row of the step (position j: output index n + j)."""
     params = [reqs[seq_id].params for seq_id, k in rows.items() for _ in range(k)]
     positions = [
         reqs[seq_id].seq.num_output_tokens + j for seq_id, k in rows.items() for j in range(k)

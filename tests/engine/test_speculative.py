@@ -133,3 +133,44 @@ def test_a_full_batch_of_speculating_sequences_trimming_and_regrowing_blocks(loa
     )
     assert spec == plain
     assert engine.stats.num_draft_tokens_total > engine.stats.num_accepted_tokens_total > 0
+
+
+TEMPERATURE = 0.6  # peaked enough that draws often continue the prompt's loop
+
+
+def test_sampled_rows_speculate_and_follow_the_model_s_distribution(
+    loaded: LoadedModel, ref: LoadedModel
+):
+    """Verifying a draft by sampling the position and keeping the draft only if the sample
+    equals it is rejection sampling for a draft that is a single token: the kept token is the
+    model's draw. Over 600 seeds, the second token (the first that a verification gives) is
+    tallied where the first one was the likeliest, against the model's own top-5 probabilities
+    after it (chi-square, 4 degrees of freedom, p > 0.001)."""
+    import torch
+
+    # A prompt that ends in the model's own greedy loop: sampled near it, the draws often
+    # continue the loop, and so equal the drafts copied from the prompt.
+    _, loop = _mid_span(loaded, PROMPTS[0], search=False)
+    prompt = PROMPTS[0] + loop[:30]
+    params = [
+        SamplingParams(max_tokens=3, temperature=TEMPERATURE, top_k=5, seed=seed, ignore_eos=True)
+        for seed in range(1000)
+    ]
+    config = {"speculative_max_step_tokens": 8192, "max_num_seqs": 1000, "prompt_lookup_min": 1}
+    plain, spec, engine = both(loaded, [(prompt, p) for p in params], **config)
+    assert spec == plain  # each seed's draws are plain sampling's, position for position
+    assert engine.stats.num_verifications_total >= 300
+    assert engine.stats.num_accepted_tokens_total >= 100  # drafts kept by a sampled draw
+    firsts = [r[0][0][1] for r in spec.values()]
+    first = max({t[0] for t in firsts}, key=[t[0] for t in firsts].count)
+    seconds = [t[1] for t in firsts if t[0] == first]
+    with torch.no_grad():
+        ids = torch.tensor([[*prompt, first]])
+        logits = ref.model(ids).logits[0, -1].float()  # transformers' own attention
+    top = logits.topk(5)
+    probs = (top.values / TEMPERATURE).softmax(-1).tolist()
+    counts = [seconds.count(t) for t in top.indices.tolist()]
+    assert sum(counts) == len(seconds) >= 100  # top_k=5: nothing outside the five
+    expected = [p * len(seconds) for p in probs]
+    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected, strict=True))
+    assert chi2 < 18.47, (counts, expected)  # the 0.999 quantile of chi-square(4)

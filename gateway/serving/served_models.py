@@ -135,6 +135,10 @@ class ModelRegistry:
         self._live_at = -float("inf")
         self._scanned_at = -float("inf")
         self._lock = asyncio.Lock()
+        # Scans started, and the last one's failure: a request that waited on a scan that
+        # failed answers with that failure instead of waiting out a second Redis timeout.
+        self._num_scans = 0
+        self._scan_error: RedisError | OSError | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -201,9 +205,19 @@ class ModelRegistry:
     async def _rescan_if_older_than(self, max_age_s: float) -> None:
         if time.monotonic() - self._scanned_at < max_age_s:
             return
+        # A scan under way when we arrive counts as one we waited for.
+        started = self._num_scans - self._lock.locked()
         async with self._lock:  # one scan at a time; waiters then see its result
+            if self._num_scans != started and self._scan_error is not None:
+                raise RedisError(f"the model registry scan failed: {self._scan_error}")
             if time.monotonic() - self._scanned_at >= max_age_s:
-                await self._rescan()
+                self._num_scans += 1
+                try:
+                    await self._rescan()
+                except (RedisError, OSError) as exc:
+                    self._scan_error = exc
+                    raise
+                self._scan_error = None
 
     async def _rescan(self) -> None:
         # The names set, not SCAN: SCAN walks the whole keyspace of a shared Redis.

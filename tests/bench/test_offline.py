@@ -112,3 +112,26 @@ def test_response_format_runs_each_policy_again_constrained(tiny_trace, tmp_path
     with pytest.raises(SystemExit) as exc:
         main([*args[:-4], "--response-format", "yaml", "--output", str(out)])
     assert "expected json_object, json_schema:FILE or regex:PATTERN" in str(exc.value.code)
+
+
+def test_speculation_shows_its_acceptance_and_the_tail_beside_plain_decoding(tmp_path, capsys):
+    """`--speculative ngram`: as many tokens in fewer steps, and the acceptance and the last
+    quarter's time in the table and the report."""
+    loop = [11, 12, 13, 14, 15] * 6  # tiny-random's replies to it repeat it: drafts get kept
+    trace = write_trace(tmp_path / "loop.json", [loop, loop[3:]], [40, 40])
+    reports = {}
+    for spec in ("none", "ngram"):
+        out = tmp_path / f"{spec}.json"
+        args = ["bench", "offline", "--model", "tiny-random", "--kv-cache-memory", "16MiB"]
+        args += ["--trace", str(trace), "--policies", "continuous", "--baseline", "none"]
+        assert main([*args, "--speculative", spec, "--output", str(out)]) == 0
+        reports[spec] = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "accept" in printed and "tail 25%" in printed
+    plain, spec = (reports[s]["results"][0] for s in ("none", "ngram"))
+    assert spec["output_tokens"] == plain["output_tokens"] == 80
+    assert spec["extra"]["steps"] < plain["extra"]["steps"]
+    assert plain["extra"]["spec_acceptance"] is None
+    assert 0 < spec["extra"]["spec_acceptance"] <= 1
+    assert spec["extra"]["spec_accepted_tokens"] > 0
+    assert 0 < spec["extra"]["tail_s"] < spec["wall_s"]

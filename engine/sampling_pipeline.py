@@ -117,11 +117,9 @@ def sample_rows(
         logits = apply_masks(logits, rows.constrained, masks)
     # A draw's position is its output index, so a resumed request continues its stream; a
     # verification's sampling row comes after its drafts.
-    drafts = rows.draft_rows
-    positions = [
-        r.seq.num_output_tokens + drafts.get(seq_id, 0)
-        for seq_id, r in zip(rows.seq_ids, reqs, strict=True)
-    ]
+    positions = [r.seq.num_output_tokens for r in reqs]
+    if drafts := rows.draft_rows:
+        positions = [n + drafts.get(i, 0) for n, i in zip(positions, rows.seq_ids, strict=True)]
     tokens = sample(logits, params, positions)
     if any(p.logprobs is not None for p in params):
         found = token_logprobs(logits, tokens, [p.logprobs for p in params])

@@ -93,8 +93,8 @@ class Sequence:
     # False: never served from the prefix cache (every prompt position is computed, e.g. because
     # the request wants each prompt token's log-prob); its blocks still serve other requests.
     uses_prefix_cache: bool = True
-    # The engine allows draft tokens for it (speculative decoding): its rows are greedy and
-    # nothing but the model's logits decides each position's token.
+    # The engine allows draft tokens for it (speculative decoding): nothing but the model's
+    # logits and the row's own sampling settings decide each position's token.
     speculates: bool = False
     # Proposed after the last known token for the step being planned; the step keeps the ones
     # the model agrees with (output tokens then) and drops the rest.

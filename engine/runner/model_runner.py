@@ -143,14 +143,15 @@ class ModelRunner:
             # each as a decode row of its own (position start + j sees keys [0, start + j]):
             # causal within the chunk, and served by the decode kernels.
             input_ids.append(seq.output_token_ids[-1])
-            input_ids += seq.draft_token_ids if chunk.num_draft_tokens else ()
-            for j in range(chunk.num_tokens):
-                last = j == chunk.num_tokens - 1
-                if not last:
-                    wanted.append((len(layout), 1))
+            for j in range(chunk.num_draft_tokens):
+                wanted.append((len(layout), 1))
                 layout.append((chunk.start + j, 1, blocks))
                 keys.append(chunk.seq_id)
-                sample.append(last)
+                sample.append(False)
+                input_ids.append(seq.draft_token_ids[j])
+            layout.append((chunk.start + chunk.num_draft_tokens, 1, blocks))
+            keys.append(chunk.seq_id)
+            sample.append(True)
         self._graph_ctx = None
         if self.graphs is not None and not any(
             c.is_prefill or c.num_draft_tokens for c in plan.chunks

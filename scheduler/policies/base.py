@@ -141,18 +141,15 @@ class BatchingPolicy(ABC):
             seq = self.seqs.get(chunk.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            tokens = [sampled_token_ids[seq.seq_id]] if chunk.samples else []
             if chunk.num_draft_tokens:
-                tokens[:0] = (accepted or {}).get(seq.seq_id, ())
-                self._verified(seq, chunk, len(tokens) - 1)
+                kept = (accepted or {}).get(seq.seq_id, [])
+                finish = self._verified(seq, chunk, [*kept, sampled_token_ids[seq.seq_id]])
             else:
                 seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.commit_computed(seq)
-            if not tokens:
-                continue
-            for token in tokens:  # an accepted stop token ends it: the rest are not kept
-                if (finish := seq.append_token(token)) is not None:
-                    break
+                self.kv.commit_computed(seq)
+                if not chunk.samples:
+                    continue
+                finish = seq.append_token(sampled_token_ids[seq.seq_id])
             if finish is None and seq.seq_id in stopped_seq_ids:
                 finish = SequenceStatus.FINISHED_STOPPED
             if finish is not None:
@@ -160,19 +157,26 @@ class BatchingPolicy(ABC):
                 done.append(seq)
         return self._on_finished(done, now)
 
-    def _verified(self, seq: Sequence, chunk: ScheduledChunk, num_accepted: int) -> None:
-        """The fed token and the accepted drafts hold K/V now; the rejected drafts' slots go
-        back to the pool."""
+    def _verified(
+        self, seq: Sequence, chunk: ScheduledChunk, tokens: list[int]
+    ) -> SequenceStatus | None:
+        """A verification's result: `tokens`, the accepted drafts then the sampled token. The
+        fed token and the accepted drafts hold K/V now; the rejected drafts' slots go back to
+        the pool. Returns the terminal status a kept token causes (the rest are not kept)."""
+        num_accepted, k = len(tokens) - 1, chunk.num_draft_tokens
         seq.num_computed_tokens = chunk.start + 1 + num_accepted
         seq.draft_token_ids = []
         # All accepted: try twice as many next time; else one more than were accepted.
-        k = chunk.num_draft_tokens
         seq.max_draft_tokens = 2 * k if num_accepted == k else num_accepted + 1
         self.kv.trim(seq, seq.num_computed_tokens, self._reserve_tokens(seq))
         stats = self.stats
-        stats.num_draft_tokens_total += chunk.num_draft_tokens
+        stats.num_draft_tokens_total += k
         stats.num_accepted_tokens_total += num_accepted
         stats.num_verifications_total += 1
+        for token in tokens:
+            if (finish := seq.append_token(token)) is not None:
+                return finish
+        return None
 
     def _on_finished(self, done: list[Sequence], now: float) -> list[Sequence]:
         """Continuous batching releases finished sequences at once (policies may hold them)."""

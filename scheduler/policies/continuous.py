@@ -69,7 +69,11 @@ class ContinuousBatching(BatchingPolicy):
                     break
                 i += 1
                 continue
-            if num_new == 1 and (drafts := self._drafts(seq, budget, plan, i)):
+            if (
+                num_new == 1
+                and self.proposer is not None  # (checked first: a decode's hot path)
+                and (drafts := self._drafts(seq, budget, plan, i))
+            ):
                 self._add_verification(plan, seq, drafts)
                 budget -= 1 + len(drafts)
                 i += 1
@@ -98,9 +102,9 @@ class ContinuousBatching(BatchingPolicy):
         when it does not speculate. Speculation never preempts: without spare free blocks for
         the drafts the sequence decodes plainly."""
         spec = self.config.speculative
+        assert self.proposer is not None
         if (
-            self.proposer is None
-            or not seq.speculates
+            not seq.speculates
             or not seq.num_output_tokens
             or seq.num_uncomputed_tokens != 1
             or len(self.running) >= spec.max_step_tokens

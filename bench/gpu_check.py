@@ -300,6 +300,7 @@ def _decode_step_ms(
         enable_prefix_caching=False,
         enforce_eager=enforce_eager,
         decode_attention=decode_attention or profile.decode_attention,
+        speculative="none",  # plain decode steps: the step's cost, graphs and all
     )
     engine = Engine(config, loaded=loaded)
     rng = random.Random(batch)
@@ -325,8 +326,10 @@ def _decode_step_ms(
     graphed = graphs is not None and graphs.failed is None and graphs.num_steps >= n
     failure = None if graphs is None else graphs.failed
     attention, why_not = engine.decode_attention, engine.decode_kernel_unused_because
+    forward_name = engine.view.forward_name
     del engine
     return {
+        "forward": forward_name,  # which model path ran ("jitney-none": Jitney's own forward)
         "step_ms": 1000 * step_s / n,
         "forward_ms": 1000 * forward_s / n,
         "graphed": graphed,
@@ -435,6 +438,7 @@ def _decode_row(
     row = {
         "batch": batch,
         "context": profile.decode_context,
+        "forward": eager["forward"],
         "decode_attention": eager["decode_attention"],
         "kernel_unused_because": eager["kernel_unused_because"],
         "eager_step_ms": eager["step_ms"],

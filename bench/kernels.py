@@ -9,11 +9,14 @@ the bundled GGUF file. Rows (each measured in the same run, interleaved, best of
   bf16            dense F.linear, bf16 weights and activations
   int4pack bf16   torch's _weight_int4pack_mm_for_cpu, group 32, bf16 activations/scales
   int8pack bf16   torch's _weight_int8pack_mm, per-row scales, bf16 activations
-  jitney q4_1     engine/kernels: the file's Q4_1 blocks (+ its Q8_0 head), float32 activations
+  jitney <isa>    engine/kernels: the file's Q4_1 blocks (+ its Q8_0 head), float32 activations,
+                  one row per instruction set this CPU has (avx2, avx512, amx), each with its
+                  automatic choice of path (one pass for a few tokens; batched: AMX's bf16 tiles,
+                  or dequantized panels + sgemm)
 (The int4pack kernel also takes float32 activations, but its float32 path is not vectorized:
 about 3-5x slower than fp32 dense here, so it is left out.) Each row says how many weight bytes
-one step reads. `--crossover` times Jitney's two paths (fused kernel, dequantized panels + sgemm)
-per shape and T, and prints where panels start to win.
+one step reads. `--crossover` times Jitney's two paths (one pass, batched) per shape and T with
+the CPU's best instruction set, and prints where the batched path starts to win.
 
 With one thread the clock is the thread's CPU time, which other processes barely move; with more
 it is wall time, and on a loaded machine OpenMP's spinning threads make it erratic: compare rows
@@ -49,6 +52,7 @@ class Method:
     dtype: torch.dtype
     linears: list[Callable[[torch.Tensor], torch.Tensor]]
     weight_bytes: int
+    isa: str | None = None  # Jitney's kernels: the instruction set they run with
 
 
 def smollm2_gguf() -> Path:
@@ -87,7 +91,9 @@ def build_methods(matrices: list[Q4_1Weights | Q8_0Weights]) -> list[Method]:
         _int8pack("int8pack bf16", dense),
     ]
     jitney = [m.linear for m in matrices]
-    methods.append(Method("jitney q4_1", torch.float32, jitney, sum(m.nbytes for m in matrices)))
+    nbytes = sum(m.nbytes for m in matrices)
+    for isa in kernel_backend().available_isas() or ("reference",):
+        methods.append(Method(f"jitney {isa}", torch.float32, jitney, nbytes, isa))
     return methods
 
 
@@ -143,25 +149,30 @@ def time_steps(methods: list[Method], in_features: list[int], tokens: int, repea
     with torch.inference_mode():
         for _ in range(repeat + 1):  # the first round warms up
             for m in methods:
+                if m.isa is not None and kernel_backend().is_native:
+                    kernel_backend().set_isa(m.isa)
                 start = clock()
                 for linear, x in zip(m.linears, inputs[m.name], strict=True):
                     linear(x)
                 best[m.name] = min(best[m.name], (clock() - start) * 1e3)
+    if kernel_backend().is_native:
+        kernel_backend().set_isa(kernel_backend().best_isa)
     return best
 
 
 def crossover(matrices: list[Q4_1Weights | Q8_0Weights], tokens: list[int], repeat: int) -> None:
-    """Fused kernel against dequantized panels + sgemm, per shape over all its layers."""
+    """One pass against the batched path, per shape over all its layers."""
     by_shape: dict[tuple[int, int], list[Q4_1Weights | Q8_0Weights]] = {}
     for m in matrices:
         by_shape.setdefault(m.shape, []).append(m)
-    print("\nms per step for each shape's matrices: fused / panels (* where panels win)")
+    print(f"\nms per step for each shape's matrices ({kernel_backend().isa}): one pass / batched")
+    print("(* where batched wins)")
     print(f"{'shape':>18} " + " ".join(f"{'T=' + str(t):>15}" for t in tokens))
     with torch.inference_mode():
         for shape, ms in by_shape.items():
             paths = {
-                "fused": [dataclasses.replace(m, panel_min_tokens=1 << 30) for m in ms],
-                "panels": [dataclasses.replace(m, panel_min_tokens=1) for m in ms],
+                "one pass": [dataclasses.replace(m, batched_min_tokens=1 << 30) for m in ms],
+                "batched": [dataclasses.replace(m, batched_min_tokens=1) for m in ms],
             }
             cells, first_win = [], None
             for t in tokens:
@@ -173,9 +184,9 @@ def crossover(matrices: list[Q4_1Weights | Q8_0Weights], tokens: list[int], repe
                         for w in ws:
                             w.linear(x)
                         best[path] = min(best[path], (clock() - start) * 1e3)
-                wins = best["panels"] < best["fused"]
+                wins = best["batched"] < best["one pass"]
                 first_win = t if wins and first_win is None else first_win
-                cells.append(f"{best['fused']:.1f}/{best['panels']:.1f}{'*' if wins else ' '}")
+                cells.append(f"{best['one pass']:.1f}/{best['batched']:.1f}{'*' if wins else ' '}")
             kind = type(ms[0]).__name__.removesuffix("Weights")
             label = f"{kind} {shape[0]}x{shape[1]}"
             print(f"{label:>18} " + " ".join(f"{c:>15}" for c in cells) + f"  from T={first_win}")
@@ -190,7 +201,7 @@ def main() -> None:
         "--crossover",
         nargs="?",
         const=",".join(map(str, CROSSOVER_TOKENS)),
-        help="also time fused vs panels, at these T (default %(const)s)",
+        help="also time one pass vs batched, at these T (default %(const)s)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -208,10 +219,10 @@ def main() -> None:
         for name, ms in time_steps(methods, in_features, t, args.repeat).items():
             rows[name].append(ms)
     print(f"\nms per step, {len(matrices)} matrices (best of {args.repeat}, interleaved)")
-    print(f"{'':>14} {'weight MB':>10} " + " ".join(f"{'T=' + str(t):>9}" for t in tokens))
+    print(f"{'':>16} {'weight MB':>10} " + " ".join(f"{'T=' + str(t):>9}" for t in tokens))
     for m in methods:
         cells = " ".join(f"{ms:>9.1f}" for ms in rows[m.name])
-        print(f"{m.name:>14} {m.weight_bytes / 1e6:>10.1f} {cells}")
+        print(f"{m.name:>16} {m.weight_bytes / 1e6:>10.1f} {cells}")
     print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
 
 

@@ -32,7 +32,7 @@ from generation.sampling_params import SamplingParams
 # (class, op-name fragments), first match wins; names are the profiler's ("aten::mm", ...).
 OP_CLASSES = (
     ("decoder layers in one C++ call", ("llama_decode_layers",)),
-    ("linear layers", ("q4_1_linear", "q8_0_linear", "aten::mm", "aten::addmm", "aten::linear",
+    ("linear layers", ("quant_linear", "aten::mm", "aten::addmm", "aten::linear",
                        "aten::matmul", "aten::bmm", "int4pack", "int8pack")),
     ("attention", ("paged_decode", "scaled_dot_product", "flash_attention", "aten::_softmax",
                    "index_select", "masked_fill")),

@@ -20,7 +20,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -31,9 +30,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from bench.processes import Part, start_part, stop_part, wait_serving
 from bench.serve import run_serve
 from bench.trace import TraceRequest
 from launch.private_redis import free_port, private_redis
+from protocol.queue.placement import PLACEMENT_DEFAULT
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PUBLISH_METRIC = "jitney_step_phase_seconds_sum{"
@@ -49,6 +50,10 @@ class QueueSetup:
     requests: int = 512
     prompt_len: int = 32
     output_len: int = 128
+    placement: bool = PLACEMENT_DEFAULT  # --prefix-placement on gateways and workers
+    # K > 0: each prompt starts with one of K shared prefixes (3/4 of it), so placement finds
+    # hits and places (its PLACE path measured, not only its lookups)
+    prefixes: int = 0
 
     @property
     def in_flight(self) -> int:
@@ -94,15 +99,6 @@ def publish_seconds(metrics_port: int) -> float:
     )
 
 
-@dataclass(slots=True)
-class Part:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: str  # its output
-    metrics_port: int | None = None
-    url: str | None = None
-
-
 @contextmanager
 def running(setup: QueueSetup, say: Callable[[str], None]) -> Iterator[tuple[int, list[Part]]]:
     """redis-server, the noop workers and the gateways; all stopped on exit."""
@@ -129,9 +125,9 @@ def running(setup: QueueSetup, say: Callable[[str], None]) -> Iterator[tuple[int
                 str(metrics),
                 "--worker-id",
                 f"noop-{i}",
+                placement_flag(setup),
             ]
-            name = f"worker-{i}"
-            parts.append(Part(name, *_jitney(args, env, workdir, name), metrics_port=metrics))
+            parts.append(start_part(f"worker-{i}", args, env, workdir, metrics_port=metrics))
         for i in range(setup.gateways):
             gw_port = free_port()
             args = [
@@ -144,14 +140,13 @@ def running(setup: QueueSetup, say: Callable[[str], None]) -> Iterator[tuple[int
                 str(10 * setup.requests),
                 "--max-queued-tokens",
                 str(10 * setup.requests * setup.prompt_len),
+                placement_flag(setup),
             ]
-            name = f"gateway-{i}"
-            parts.append(
-                Part(name, *_jitney(args, env, workdir, name), url=f"http://127.0.0.1:{gw_port}")
-            )
+            url_of = f"http://127.0.0.1:{gw_port}"
+            parts.append(start_part(f"gateway-{i}", args, env, workdir, url=url_of))
         for part in parts:
-            stack.callback(_stop, part.proc)
-        _wait_serving([p for p in parts if p.url], parts, setup.workers)
+            stack.callback(stop_part, part)
+        wait_serving(parts, "noop", "bench queue")
         say(
             f"redis :{port}, {setup.workers} noop workers × {setup.slots} slots, "
             f"{setup.gateways} gateway(s)"
@@ -159,69 +154,39 @@ def running(setup: QueueSetup, say: Callable[[str], None]) -> Iterator[tuple[int
         yield port, parts
 
 
-def _jitney(
-    args: list[str], env: dict[str, str], workdir: str, name: str
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`jitney <args>` with its output in a log file; the process and the log's path."""
-    path = os.path.join(workdir, f"{name}.log")
-    with open(path, "wb") as log:  # the child keeps its copy
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jitney.cli", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    return proc, path
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_serving(
-    gateways: list[Part], parts: list[Part], workers: int, timeout: float = 120
-) -> None:
-    """Every gateway lists the noop model and every worker answers /ready."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [p for p in parts if p.proc.poll() is not None]
-        if dead:
-            tail = Path(dead[0].log).read_text(errors="replace")[-2000:]
-            names = ", ".join(p.name for p in dead)
-            raise RuntimeError(f"bench queue: {names} exited during start-up:\n{tail}")
-        if all(_get_ok(f"{g.url}/v1/models") for g in gateways) and all(
-            _get_ok(f"http://127.0.0.1:{p.metrics_port}/ready") for p in parts if p.metrics_port
-        ):
-            return
-        time.sleep(0.2)
-    raise RuntimeError("bench queue: the stack did not come up in time")
-
-
-def _get_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            body = resp.read()
-            return resp.status == 200 and (b"noop" in body or not url.endswith("/models"))
-    except OSError:
-        return False
+def placement_flag(setup: QueueSetup) -> str:
+    return "--prefix-placement" if setup.placement else "--no-prefix-placement"
 
 
 def trace(setup: QueueSetup, seed: int = 0) -> list[TraceRequest]:
     rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, NOOP_VOCAB) for _ in range(n)]
+
+    shared = setup.prompt_len * 3 // 4 if setup.prefixes else 0
+    prefixes = [tokens(shared) for _ in range(setup.prefixes)]
     return [
         TraceRequest(
             f"q{i}",
-            [rng.randrange(3, NOOP_VOCAB) for _ in range(setup.prompt_len)],
+            [*(prefixes[i % setup.prefixes] if shared else []), *tokens(setup.prompt_len - shared)],
             setup.output_len,
         )
         for i in range(setup.requests)
     ]
+
+
+def placements(gateways: list[Part]) -> dict[str, float]:
+    """The gateways' `jitney_placements_total` by outcome, summed."""
+    found: dict[str, float] = {}
+    for gateway in gateways:
+        with urllib.request.urlopen(f"{gateway.url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("jitney_placements_total{"):
+                outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                found[outcome] = found.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def snapshot(redis_port: int, parts: list[Part]) -> dict[str, Any]:
@@ -240,7 +205,8 @@ def run_queue_bench(setup: QueueSetup, say: Callable[[str], None] = print) -> di
         before = snapshot(redis_port, parts)
         reports = asyncio.run(_load(setup, requests, gateways, say))
         after = snapshot(redis_port, parts)
-    return summarize(setup, before, after, reports)
+        placed = placements(gateways)
+    return {**summarize(setup, before, after, reports), "placements": placed}
 
 
 async def _load(
@@ -309,6 +275,7 @@ def summarize(
         "redis_bytes_out_per_token": round(delta("redis", "total_net_output_bytes") / tokens, 1)
         if tokens
         else None,
+        "per_request": per_request(before, after, cpu, reports),
         "ceiling_tokens_per_s": {
             "one_redis_core": round(1e6 / (redis_main * per_m)) if redis_main > 0 else None,
             "one_gateway_process": round(min(gateway_ceilings)) if gateway_ceilings else None,
@@ -317,6 +284,32 @@ def summarize(
             {k: r[k] for k in ("label", "completed", "failed", "output_throughput")}
             for r in reports
         ],
+    }
+
+
+def per_request(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    cpu: dict[str, float],
+    reports: list[dict[str, Any]],
+) -> dict[str, float] | None:
+    """What one request costs besides its tokens' share: Redis commands and bytes, and the CPU
+    of Redis and of the gateways (placement's cost is the difference of two such runs)."""
+    done = sum(r["completed"] for r in reports)
+    if not done:
+        return None
+
+    def per(section: str, *keys: str) -> float:
+        return sum(after[section][k] - before[section][k] for k in keys) / done
+
+    redis_cpu = per("redis", "used_cpu_sys_main_thread", "used_cpu_user_main_thread")
+    gateways = sum(s for n, s in cpu.items() if n.startswith("gateway")) / done
+    return {
+        "redis_commands": round(per("redis", "total_commands_processed"), 2),
+        "redis_bytes_in": round(per("redis", "total_net_input_bytes"), 1),
+        "redis_bytes_out": round(per("redis", "total_net_output_bytes"), 1),
+        "redis_cpu_us": round(1e6 * redis_cpu, 1),
+        "gateways_cpu_us": round(1e6 * gateways, 1),
     }
 
 
@@ -335,6 +328,7 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         f"Redis per token: {r['redis_commands_per_token']} commands, "
         f"{r['redis_bytes_in_per_token']} B in, {r['redis_bytes_out_per_token']} B out",
+        f"Per request: {r.get('per_request')}; placements: {r.get('placements')}",
         "Extrapolated at 100% of one core: one Redis ≈ "
         f"{r['ceiling_tokens_per_s']['one_redis_core']:,} tokens/s, one gateway ≈ "
         f"{r['ceiling_tokens_per_s']['one_gateway_process']:,} tokens/s",

@@ -26,7 +26,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,7 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
     itl_s: list[float] = field(default_factory=list)
 
     @property
@@ -91,7 +92,7 @@ def _error_reason(prefix: str, body: Any) -> tuple[str, str | None]:
     return f"{prefix} {err.get('code') or err.get('type') or 'error'}", err.get("message")
 
 
-async def _send(
+async def send_request(
     session: aiohttp.ClientSession, base: str, model: str, req: TraceRequest, res: RequestResult
 ) -> None:
     body = {
@@ -144,11 +145,27 @@ async def _send(
                 res.reason = NO_DONE
         if res.ok:
             res.output_tokens = int(usage["completion_tokens"]) if usage else content_chunks
+            details = (usage or {}).get("prompt_tokens_details") or {}
+            res.cached_tokens = int(details.get("cached_tokens") or 0)
     except asyncio.CancelledError:
         res.reason = CANCELLED
         raise
     except Exception as e:  # a load generator counts what went wrong and carries on
         res.ok, res.reason, res.detail = False, type(e).__name__, str(e)[:300]
+
+
+async def run_for(
+    load: Coroutine[Any, Any, None], max_duration: float, say: Callable[[str], None]
+) -> None:
+    """Run the load; at `max_duration` cancel what is left of it (counted failed, not sent)."""
+    driver = asyncio.create_task(load)
+    done, _ = await asyncio.wait({driver}, timeout=max_duration)
+    if not done:
+        say(f"--max-duration {max_duration} s reached; cancelling what is left")
+        driver.cancel()
+        await asyncio.gather(driver, return_exceptions=True)
+    else:
+        driver.result()
 
 
 async def first_model(session: aiohttp.ClientSession, base: str) -> str:
@@ -221,7 +238,7 @@ async def run_serve(
         async def one(i: int) -> None:
             results[i].start_s = time.perf_counter() - t0
             try:
-                await _send(session, base, model, requests[i], results[i])
+                await send_request(session, base, model, requests[i], results[i])
             finally:
                 results[i].end_s = time.perf_counter() - t0
 
@@ -244,14 +261,7 @@ async def run_serve(
                 for _ in range(min(concurrency or 1, len(requests))):
                     tg.create_task(user())
 
-        driver = asyncio.create_task(open_loop() if concurrency is None else closed_loop())
-        done, _ = await asyncio.wait({driver}, timeout=max_duration)
-        if not done:
-            say(f"--max-duration {max_duration} s reached; cancelling what is left")
-            driver.cancel()
-            await asyncio.gather(driver, return_exceptions=True)
-        else:
-            driver.result()
+        await run_for(open_loop() if concurrency is None else closed_loop(), max_duration, say)
         wall = time.perf_counter() - t0
         backlog = None
         if batch_id is not None and backlog_before is not None:

@@ -13,6 +13,9 @@ from engine.kv_cache import KVCacheSpec, parse_bytes
 logger = logging.getLogger("jitney.engine.capacity")
 
 CPU_DEFAULT_KV_MEMORY = "1GiB"
+# A draft model's pool (--speculative-model) takes this share of the KV budget unless
+# --speculative-kv-cache-memory says how much: it follows only the few sequences that speculate.
+DRAFT_KV_SHARE = 0.125
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,21 @@ def budget_bytes(config: EngineConfig, device: torch.device, step_peak: int | No
         reserve = (1 - config.gpu_memory_utilization) * total
         return max(0, int(free - reserve))
     return parse_bytes(CPU_DEFAULT_KV_MEMORY)
+
+
+def draft_budget_bytes(config: EngineConfig, budget: int) -> int:
+    """What the draft model's KV pool takes out of the KV budget `budget` (0: no draft model)."""
+    if config.speculative_model is None:
+        return 0
+    if config.speculative_kv_cache_memory is not None:
+        wanted = parse_bytes(config.speculative_kv_cache_memory)
+        if wanted >= budget:
+            raise ValueError(
+                f"--speculative-kv-cache-memory {config.speculative_kv_cache_memory} leaves "
+                f"nothing of the KV budget ({budget} B) to the target model"
+            )
+        return wanted
+    return int(budget * DRAFT_KV_SHARE)
 
 
 def plan_capacity(

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 from engine.errors import EmptyPromptError, ResumedOutputError
 from engine.grammar_masks import Grammars
 from engine.sampler import TokenLogprobs, choice_seed, with_seed
-from engine.speculative import may_speculate
 from generation.detokenizer import IncrementalDetokenizer
 from generation.sampling_params import SamplingParams
 from scheduler import BatchingPolicy, Sequence, SequenceStatus
@@ -105,7 +104,7 @@ class ChoiceFactory:
             detok = IncrementalDetokenizer.create(self.tokenizer, prompt, params.stop)
             for token in resumed:
                 detok.add(token)
-        seq.speculates = may_speculate(params, params.grammar is not None)
+        seq.speculates = True  # every kind of row verifies exactly (engine/speculative.py)
         req = ChoiceState(seq, with_seed(params), detok, request_id, index)
         if params.grammar is not None:  # GrammarError before anything is queued
             req.matcher = self.grammars.matcher(params.grammar, resumed)

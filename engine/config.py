@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scheduler import POLICIES, SchedulerConfig, SpeculativeConfig
+from scheduler import POLICIES, SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
 from scheduler.config import SCHEDULER_DEFAULTS as SCHED
 
 SPEC = SCHED.speculative
+SPECULATIVE_CHOICES = ("auto", *SPECULATIVE_METHODS)
 
 if TYPE_CHECKING:  # torch loads with the engine, not with the command line's flag parsing
     import torch
@@ -18,11 +19,16 @@ DECODE_ATTENTION = ("auto", "triton", "native", "gather")
 # (engine/models/llama.py), transformers' model on Jitney's paged attention, or auto: Jitney's
 # where the architecture is covered, transformers' elsewhere.
 MODEL_IMPLS = ("auto", "jitney", "transformers")
-# How Jitney's forward keeps the weights: "none", dense in --dtype; "gguf", the GGUF file's own
-# 4- and 8-bit blocks (Q4_1, Q8_0) multiplied by Jitney's CPU kernels with float32 activations;
-# "int8", Q8_0 blocks made at load from any covered model's dense weights, the same kernels.
-QUANTIZATIONS = ("none", "gguf", "int8")
+# How Jitney's forward keeps the weights: "none", dense in --dtype (the exact mode); "gguf", the
+# GGUF file's own 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0) multiplied by Jitney's CPU kernels;
+# "int8", Q8_0 blocks made at load from any covered model's dense weights, the same kernels;
+# "auto", gguf where the model is a GGUF file whose blocks the kernels cover (on the CPU), else
+# none (engine/runner/model_runner.py resolve_quantization).
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 _DTYPES = ("float32", "bfloat16", "float16")
+# How /v1/embeddings pools a prompt's final hidden states (engine/pooling.py): the last token's
+# (vLLM's default for decoder models) or the mean over the prompt.
+POOLING_METHODS = ("last", "mean")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +47,20 @@ class EngineConfig:
     max_queue_delay: float = SCHED.max_queue_delay  # seconds; dynamic batching only
     reserve_full_length: bool = SCHED.reserve_full_length
     max_preemptions_per_seq: int = SCHED.max_preemptions_per_seq
-    # Speculative decoding (scheduler/speculation/): "ngram" verifies prompt-lookup drafts.
-    speculative: str = SPEC.method
+    # Speculative decoding (scheduler/speculation/): "ngram" verifies prompt-lookup drafts,
+    # "draft" a draft model's (speculative_model, which implies it), "none" is off; "auto":
+    # a draft model's when one is named, else ngram under continuous batching (measured: 1.4-2.4x
+    # one user's tokens/s, a 64-request trace unchanged; docs/performance.md), else none.
+    speculative: str = "auto"
     num_speculative_tokens: int = SPEC.num_speculative_tokens
     prompt_lookup_max: int = SPEC.prompt_lookup_max
     prompt_lookup_min: int = SPEC.prompt_lookup_min
     speculative_max_step_tokens: int = SPEC.max_step_tokens
+    # A draft model proposes instead (vLLM's --speculative-model): a small model with the
+    # target's tokenizer, greedy on its own KV pool (engine/draft_model.py); implies "draft".
+    speculative_model: str | None = None
+    # The draft model's KV pool, taken out of the KV budget ("64MiB"); None: DRAFT_KV_SHARE of it.
+    speculative_kv_cache_memory: str | None = None
     max_model_len: int | None = None  # None: the model's, capped to what the KV cache holds
     enable_prefix_caching: bool = True
     # CUDA graphs for decode-only steps (engine/runner/decode_graphs.py); True: every step eager.
@@ -56,9 +70,13 @@ class EngineConfig:
     # else gather.
     decode_attention: str = "auto"
     model_impl: str = "auto"
-    quantization: str = "none"
+    quantization: str = "auto"
+    # torch.compile the dense forward's layers (docs/performance.md: measured on the CPU, it
+    # gains ~15% of a one-sequence step's non-matmul work and loses at batches; off by default).
+    compile: bool = False
     cache_dir: str | None = None
     noop_step_ms: float = 0.0  # --model noop only: what its fake forward sleeps per step
+    pooling: str = "last"  # embeddings: POOLING_METHODS
 
     def __post_init__(self) -> None:
         if self.batching not in POLICIES:
@@ -81,16 +99,40 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
-        if self.quantization != "none" and self.model_impl == "transformers":
+        if self.quantization not in ("none", "auto") and self.model_impl == "transformers":
             raise ValueError(
                 f"quantization {self.quantization} runs on Jitney's forward, "
                 "not --model-impl transformers"
             )
+        if self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {POOLING_METHODS}, got {self.pooling!r}")
         if self.noop_step_ms < 0:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.speculative not in SPECULATIVE_CHOICES:
+            raise ValueError(
+                f"speculative must be one of {SPECULATIVE_CHOICES}, got {self.speculative!r}"
+            )
+        if self.speculative_model is not None and self.speculative not in ("auto", "none", "draft"):
+            raise ValueError(
+                f"--speculative-model proposes drafts itself; it cannot go with --speculative "
+                f"{self.speculative}"
+            )
+        if self.speculative == "draft" and self.speculative_model is None:
+            raise ValueError("speculative method draft needs a draft model (--speculative-model)")
+        if self.speculative_model is not None and self.batching != "continuous":
+            raise ValueError("a draft model speculates under continuous batching only")
         self.scheduler_config()  # validates the scheduler's share
+
+    @property
+    def speculative_method(self) -> str:
+        """`speculative` resolved: "draft" when a draft model is named; auto's choice."""
+        if self.speculative_model is not None:
+            return "draft"
+        if self.speculative == "auto":
+            return "ngram" if self.batching == "continuous" else "none"
+        return self.speculative
 
     @property
     def torch_device(self) -> torch.device:
@@ -116,7 +158,7 @@ class EngineConfig:
             reserve_full_length=self.reserve_full_length,
             max_preemptions_per_seq=self.max_preemptions_per_seq,
             speculative=SpeculativeConfig(
-                self.speculative,
+                self.speculative_method,
                 self.num_speculative_tokens,
                 self.prompt_lookup_max,
                 self.prompt_lookup_min,

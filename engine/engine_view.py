@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scheduler import Sequence, SequenceStatus
+from scheduler.prefix_cache_log import CacheChanges
 
 if TYPE_CHECKING:
     from engine.llm_engine import Engine
@@ -31,6 +32,7 @@ class SequenceView:
     num_computed_tokens: int  # tokens whose K/V are in the cache
     num_tokens: int  # prompt + output
     priority: int
+    num_step_tokens: int = 0  # output tokens its latest sampling step gave (speculation: > 1)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -52,6 +54,11 @@ class EngineView:
 
     def __init__(self, engine: Engine):
         self._engine = engine
+
+    @property
+    def forward_name(self) -> str:
+        """Which forward runs the model ("jitney-gguf", "transformers", ...)."""
+        return self._engine.startup.forward_name
 
     # ----- seats ---------------------------------------------------------------------------
     @property
@@ -115,6 +122,20 @@ class EngineView:
         """KV blocks that `num_tokens` tokens take."""
         return self._engine.block_manager.blocks_for(num_tokens)
 
+    # ----- the prefix cache (the worker's summary of it: worker/prefix_summary.py) ----------
+    @property
+    def block_size(self) -> int:
+        return self._engine.block_manager.block_size
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now."""
+        return self._engine.block_manager.cached_hashes()
+
+    def drain_prefix_cache_changes(self) -> CacheChanges:
+        """What entered and left the prefix cache since the last call. The one call here that
+        changes anything: the position of the cache's change log, whose one reader it is."""
+        return self._engine.block_manager.drain_cache_changes()
+
     # ----- requests ------------------------------------------------------------------------
     def first_scheduled_time(self, request_id: str) -> float | None:
         """When the request was first scheduled (time.monotonic()), None if not yet or unknown."""
@@ -144,6 +165,7 @@ class EngineView:
             seq.num_computed_tokens,
             seq.num_tokens,
             seq.priority,
+            seq.num_step_tokens,
         )
 
     # ----- the device ----------------------------------------------------------------------

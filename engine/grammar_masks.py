@@ -60,13 +60,27 @@ class Grammars:
             raise GrammarError(f"delivered tokens break the grammar: {matcher.get_error()}")
         return matcher
 
-    def masks(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
-        """The next-token bitmask of each matcher: int32 [len(matchers), ceil(vocab / 32)]."""
+    def masks(
+        self,
+        matchers: Sequence[llguidance.LLMatcher],
+        after: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """The next-token bitmask of each matcher: int32 [len(matchers), ceil(vocab / 32)].
+        `after[row]`: tokens the matcher consumes first (a verification's drafts before the
+        row's position) and is rolled back by once the row is filled; it consumes none past
+        one that ends its grammar (a stopped matcher's mask allows only the end)."""
         import llguidance.torch as llg_torch
 
         masks = torch.empty(len(matchers), -(-self.vocab_size // _BITS), dtype=torch.int32)
         for row, matcher in enumerate(matchers):
+            consumed = 0
+            for token in after[row] if after else ():
+                if matcher.is_stopped() or not matcher.consume_token(token):
+                    break
+                consumed += 1
             llg_torch.fill_next_token_bitmask(matcher, masks, row)
+            if consumed:
+                matcher.rollback(consumed)
         return masks
 
 

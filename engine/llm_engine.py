@@ -4,31 +4,45 @@ Usable offline (`generate`) and by the service's engine loop (`add_request` / `s
 One step = schedule -> run (one forward pass over the mixed batch, then sampling) ->
 postprocess (outputs, stops, finished requests released). Start-up planning is
 engine/startup.py, a request's n choices engine/choices.py, what follows the forward
-engine/sampling_pipeline.py, the outputs engine/outputs.py; callers outside the engine read it
-through `Engine.view` (engine/engine_view.py).
+engine/sampling_pipeline.py, the outputs engine/outputs.py, embeddings (pooling requests)
+engine/pooling.py, speculative decoding's draft model engine/draft_model.py (its proposals are
+computed at the top of a step, before the plan); callers outside the engine read it through
+`Engine.view` (engine/engine_view.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
 
 from engine.capacity import KVCapacity
 from engine.choices import ChoiceFactory, ChoiceTable, resumed_choices
 from engine.config import EngineConfig
+from engine.draft_model import DraftModel, load_draft_model
 from engine.engine_view import EngineView
-from engine.errors import DuplicateRequestError, LogitBiasError, RequestTooLongError
+from engine.errors import (
+    DuplicateRequestError,
+    LogitBiasError,
+    RequestRejected,
+    RequestTooLongError,
+)
 from engine.grammar_masks import Grammars
 from engine.models.model_loader import LoadedModel, load_model
+from engine.models.noop_model import NOOP
 from engine.outputs import (
     CompletedRequest,
     RequestOutput,
     final_output,
+    pooled_output,
     step_outputs,
     stop_strings_found,
 )
+from engine.pooling import Pooler, normalize
 from engine.sampling_pipeline import StepResult, grammar_masks, sample_rows, sampling_rows
+from engine.speculative import GrammarChecked
 from engine.startup import plan_engine
 from engine.step_timing import PhaseClock, StepTiming, sync_device
 from generation.sampling_params import SamplingParams
@@ -61,12 +75,21 @@ class Engine:
             progress,
             noop_step_ms=config.noop_step_ms,
         )
+        # Loaded before the KV budget is measured (on CUDA its weights count against it).
+        draft = load_draft_model(config, self.loaded, progress)
         self.startup = plan_engine(config, self.loaded)  # memory, capacity, KV pool, graphs
         self.kv_cache = self.startup.kv_cache
         self.runner = self.startup.runner
+        # Speculative decoding's draft model on its own pool (None: none; engine/draft_model.py).
+        self.drafter = (
+            None
+            if draft is None
+            else DraftModel(config, draft, self.startup.draft_kv_bytes, self.vocab_size)
+        )
+        self.choices = ChoiceTable()  # every live choice of every request
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.
         self.block_manager, self.policy = self._fresh_scheduler()
-        self.choices = ChoiceTable()  # every live choice of every request
+        self.pooler = Pooler(config.pooling)  # the pooling (embedding) requests' progress
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
         self.grammars = Grammars(self.loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._factory = ChoiceFactory(self.loaded.tokenizer, self.eos_token_ids, self.grammars)
@@ -81,7 +104,11 @@ class Engine:
         blocks = KVBlockManager(
             self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        return blocks, make_policy(config.batching, config.scheduler_config(), blocks)
+        policy = make_policy(config.batching, config.scheduler_config(), blocks)
+        proposer = self.drafter or policy.proposer
+        if proposer is not None:  # drafts a grammar refuses are cut before the scheduler's plan
+            policy.proposer = GrammarChecked(proposer, self.choices)
+        return blocks, policy
 
     @property
     def capacity(self) -> KVCapacity:
@@ -105,6 +132,12 @@ class Engine:
         return self.loaded.model.get_input_embeddings().num_embeddings
 
     @property
+    def embedding_size(self) -> int:
+        """The length of a pooling request's vector (the hidden size); 0: no embeddings (noop
+        has no hidden states)."""
+        return 0 if self.loaded.name == NOOP else int(self.loaded.model.config.hidden_size)
+
+    @property
     def stats(self) -> SchedulerStats:
         """Filled by the scheduler when it plans a step; running/waiting are as planned."""
         return self.policy.stats
@@ -118,6 +151,7 @@ class Engine:
         arrival_time: float | None = None,
         output_token_ids: list[int] | Mapping[int, list[int]] | None = None,
         priority: int = 0,
+        embed: bool = False,
     ) -> None:
         """Queue a request. Raises what engine.errors.REJECTIONS names (ValueErrors) when it
         refuses the request; nothing is queued then.
@@ -135,21 +169,39 @@ class Engine:
         prompt is computed, so their prompt blocks are the prefix cache's (allocated once). A
         taken-over request with choices gives a mapping, choice -> delivered tokens, of the
         choices that had not finished (the others are not run again).
+
+        `embed`: a pooling request (engine/pooling.py): its prompt is computed as any other's
+        and it ends with its vector (`RequestOutput.embedding`) instead of tokens; `params`
+        are not read (it samples nothing it shows). The prompt alone must fit the context.
         """
+        if embed:
+            if not self.embedding_size:
+                raise RequestRejected(f"model {self.loaded.name!r} serves no embeddings")
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         resumed = resumed_choices(params, output_token_ids)
-        self._check(request_id, prompt_token_ids, params)
+        self._check(request_id, prompt_token_ids, params, embed)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = [
             self._factory.build(request_id, i, prompt_token_ids, params, arrival, tokens, priority)
             for i, tokens in sorted(resumed.items())
         ]  # every choice is built (and checked) before any is queued
         self.choices.add(reqs, self.policy)
+        if embed:
+            self.pooler.add(reqs[0].seq)
 
-    def _check(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
+    def _check(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, embed: bool
+    ) -> None:
+        num_prompt = len(prompt_token_ids)
+        if embed and num_prompt > self.max_model_len:  # its one token is never computed
             raise RequestTooLongError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"prompt ({num_prompt} tokens) exceeds the context window of "
+                f"{self.max_model_len} tokens"
+            )
+        total = num_prompt + params.max_tokens
+        if not embed and total > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds the context window of {self.max_model_len} tokens"
             )
         if any(token >= self.vocab_size for token, _ in params.logit_bias):
@@ -163,6 +215,9 @@ class Engine:
         """End a request now (or one of its choices); its KV blocks are free when this returns.
         The final output of every choice that was still running (none if it was unknown)."""
         ended = self.choices.abort(request_id, index, self.policy, time.monotonic())
+        for req in ended:
+            self.pooler.discard(req.seq.seq_id)
+        self._forget_drafts(req.seq.seq_id for req in ended)
         return [final_output(req) for req in ended]
 
     def reset(self) -> None:
@@ -178,6 +233,9 @@ class Engine:
                 failed.append(request_id)
         # What an abort left behind (a failed one, a finished static-batch mate) goes too.
         self.choices.clear()
+        self.pooler.clear()
+        if self.drafter is not None:
+            self.drafter.reset()
         broken = f"aborting {failed} raised" if failed else self._unreusable_state()
         if broken is not None:
             logger.warning("engine state rebuilt after a failed step: %s", broken)
@@ -205,8 +263,12 @@ class Engine:
     # ----- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         clock = PhaseClock()
+        if self.drafter is not None:  # the drafts the plan may verify, one batched pass each
+            self.drafter.draft(self.policy.running)
+            clock.lap("propose")
         plan = self.policy.schedule(time.monotonic())
         clock.lap("schedule")
+        self._forget_drafts(plan.preempted_seq_ids)
         result = self._run(plan, clock) if not plan.is_empty else StepResult()
         outputs = self._postprocess(plan, result)
         clock.lap("postprocess")
@@ -217,11 +279,14 @@ class Engine:
     def _run(self, plan: StepPlan, clock: PhaseClock) -> StepResult:
         """One forward pass over the plan's chunks, then the sampling pipeline."""
         rows = sampling_rows(plan, self.choices)
+        pooled = self.pooler.rows(plan)
         inputs = self.runner.prepare(
-            plan, self.policy.seqs, self.block_manager.block_ids, rows.extra_rows
+            plan, self.policy.seqs, self.block_manager.block_ids, rows.extra_rows, pooled
         )
         clock.lap("prepare")
-        logits = self.runner.forward(inputs)
+        logits, hidden = self.runner.forward(inputs)
+        if hidden is not None:
+            self.pooler.absorb(plan, pooled, hidden)
         masks = grammar_masks(self.grammars, rows)  # while the forward runs (on a GPU)
         sync_device(self.device)  # the forward's lap ends when its kernels do (step_timing.py)
         clock.lap("forward")
@@ -239,10 +304,23 @@ class Engine:
         finished = self.policy.update(
             plan, result.sampled, stopped, time.monotonic(), result.accepted
         )
+        self._forget_drafts(seq.seq_id for seq in finished)
         for seq in finished:
             delta = outputs.pop(seq.seq_id, None)
-            outputs[seq.seq_id] = final_output(self.choices.forget(seq.seq_id), delta)
+            final = final_output(self.choices.forget(seq.seq_id), delta)
+            if seq.seq_id in self.pooler:
+                final = pooled_output(final, self.pooler.take(seq.seq_id))
+            outputs[seq.seq_id] = final
+        if self.pooler.by_seq:  # a pooling request held in a static batch: its token is no output
+            for seq_id in [i for i in outputs if i in self.pooler]:
+                del outputs[seq_id]
         return list(outputs.values())
+
+    def _forget_drafts(self, seq_ids: Iterable[str]) -> None:
+        """Sequences that left the batch: their draft model mirrors go (engine/draft_model.py)."""
+        if self.drafter is not None:
+            for seq_id in seq_ids:
+                self.drafter.forget(seq_id)
 
     def _check_pool_if_idle(self) -> None:
         """Idle is when a leak would show. O(pool blocks), once per idle period (29 ms for a
@@ -252,6 +330,8 @@ class Engine:
         if not self.policy.has_unfinished():
             start = time.perf_counter()
             self.block_manager.check_integrity()
+            if self.drafter is not None:
+                self.drafter.check_integrity(())
             self.last_idle_check_s = time.perf_counter() - start
 
     # ----- offline -------------------------------------------------------------------------
@@ -259,15 +339,28 @@ class Engine:
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[CompletedRequest]:
         """Run prompts to completion on an idle engine; results in input order."""
-        if self.has_unfinished():
-            raise RuntimeError("generate() needs an idle engine; use add_request/step instead")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if any(p.n > 1 for p in params_list):
             raise ValueError("generate() returns one result per prompt: use add_request for n > 1")
+        return self._offline(prompts, params_list)
+
+    def embed(self, prompts: list[list[int]], normalized: bool = True) -> list[torch.Tensor]:
+        """Each prompt's embedding (float32 [hidden]) on an idle engine, in input order: pooled
+        as `config.pooling` says, L2-normalised unless `normalized` is False."""
+        done = self._offline(prompts, [SamplingParams()] * len(prompts), embed=True)
+        vectors = [r.embedding for r in done]
+        assert all(v is not None for v in vectors), [r.finish_reason for r in done]
+        return [normalize(v) if normalized else v for v in vectors]  # type: ignore[arg-type]
+
+    def _offline(
+        self, prompts: list[list[int]], params_list: list[SamplingParams], embed: bool = False
+    ) -> list[CompletedRequest]:
+        if self.has_unfinished():
+            raise RuntimeError("offline runs need an idle engine; use add_request/step instead")
         results = {}
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             rid = f"offline-{i}"
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, embed=embed)
             results[rid] = CompletedRequest(rid, list(prompt))
         self.flush()
         while self.has_unfinished():

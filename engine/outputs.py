@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.choices import ChoiceState, ChoiceTable
 from engine.sampler import TokenLogprobs
 from engine.sampling_pipeline import StepResult
@@ -31,6 +33,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     # Each prompt token's after the first, in the request's first output (when it asked).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # A pooling request's final output: its prompt's vector (float32 [hidden], on the host,
+    # not normalised; engine/pooling.py), and no tokens.
+    embedding: torch.Tensor | None = None
 
 
 def step_outputs(result: StepResult, choices: ChoiceTable) -> dict[str, RequestOutput]:
@@ -47,7 +52,7 @@ def step_outputs(result: StepResult, choices: ChoiceTable) -> dict[str, RequestO
             tokens, text = [token], "" if detok is None else detok.add(token)
         out = outputs[seq_id] = RequestOutput(req.request_id, tokens, req.index, text)
         if logprobs and (lp := logprobs.get(seq_id)) is not None:
-            out.logprobs = [lp]
+            out.logprobs = lp[: len(tokens)]  # (a stop inside a verified span cut the tokens)
         out.num_output_tokens = req.seq.num_output_tokens + len(tokens)
         if req.prompt_logprobs is not None:  # complete: the first token samples after them
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
@@ -103,6 +108,17 @@ def final_output(req: ChoiceState, delta: RequestOutput | None = None) -> Reques
     return final
 
 
+def pooled_output(final: RequestOutput, vector: torch.Tensor | None) -> RequestOutput:
+    """A pooling request's final output: its vector in place of the token that ended it (a
+    pooling request samples nothing it shows); without one (aborted), the final as it was."""
+    if vector is None:
+        return final
+    final.embedding = vector
+    final.new_token_ids, final.logprobs, final.delta_text = [], None, ""
+    final.finish_reason, final.num_output_tokens = "stop", 0
+    return final
+
+
 @dataclass(slots=True)
 class CompletedRequest:
     request_id: str
@@ -113,6 +129,7 @@ class CompletedRequest:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # when the request asked
+    embedding: torch.Tensor | None = None  # a pooling request's vector
 
     def absorb(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
@@ -123,3 +140,4 @@ class CompletedRequest:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.num_cached_tokens = out.num_cached_tokens
+            self.embedding = out.embedding

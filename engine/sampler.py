@@ -7,7 +7,8 @@ position). A token is drawn by inverting the row's cumulative distribution at th
 hash per row and one scan over the vocabulary (a hash per token, as the Gumbel-max trick needs,
 cost 57 ms a step for 64 rows of SmolLM2's 49,152-token vocabulary on this CPU). The pick is the
 first token whose cumulative mass exceeds the target, and the target stays below the row's total,
-so a token whose probability is 0 (a cut token) is never picked, whatever the rounding.
+so a token whose probability is 0 (a cut token) is never picked, whatever the rounding. The cuts
+and the draw are engine/kernels' sample_rows (its reference in torch ops defines them).
 
 Before any pick, rows that ask for it have their logits adjusted, all rows together in tensor ops
 (`adjust_logits`): frequency and presence penalties from counts of the tokens each row generated,
@@ -30,6 +31,7 @@ from functools import lru_cache
 import torch
 
 from engine.device_copy import device_tensor
+from engine.kernels import ops as _ops  # noqa: F401  (defines torch.ops.jitney.*)
 from generation.sampling_params import SamplingParams
 
 
@@ -62,10 +64,12 @@ def sample(
     """One token per row of `logits` ([N, vocab]) for N requests (already adjusted by
     `adjust_logits` where the params ask); `positions[i]` is the number of output tokens
     request i already has (where its draw is in its random stream). Sampled rows need a seed
-    (`with_seed`). One device-to-host transfer: the tokens."""
+    (`with_seed`). One device-to-host transfer: the tokens. The scans over the vocabulary are
+    jitney::argmax_rows and jitney::sample_rows (engine/kernels: C++ on the CPU, torch ops
+    elsewhere)."""
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
-        return logits.argmax(dim=-1).tolist()
+        return torch.ops.jitney.argmax_rows(logits.float()).tolist()
     device = logits.device
     picked = [params[i] for i in rows]
     if any(p.seed is None for p in picked):
@@ -74,23 +78,14 @@ def sample(
     index = device_tensor(rows, device) if some else None
     x = (logits.index_select(0, index) if some else logits).float()
     x = x / _column([p.temperature for p in picked], device)
-    vocab = x.shape[1]
-    # Rows with a top-k cut need only their k largest logits; top-p alone needs a full sort.
-    by_top_k = [j for j, p in enumerate(picked) if 0 < p.top_k < vocab]
-    by_top_p = [j for j, p in enumerate(picked) if p.top_p < 1 and not 0 < p.top_k < vocab]
-    for rows_cut in (by_top_k, by_top_p):
-        if rows_cut:  # (indexing by a Python list would copy it to the device synchronously)
-            cut = device_tensor(rows_cut, device)
-            x[cut] = _cut(x[cut], [picked[j] for j in rows_cut])
-    cdf = x.softmax(dim=-1).cumsum_(dim=-1)
-    total = cdf[:, -1:]
+    top_k = device_tensor([p.top_k for p in picked], device, torch.int64)
+    top_p = device_tensor([p.top_p for p in picked], device, torch.float32)
     u = uniforms([p.seed for p in picked], [positions[i] for i in rows], device)
-    # Strictly below the total, so the first token whose mass exceeds it has p > 0.
-    target = torch.minimum(u.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
-    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    drawn = torch.ops.jitney.sample_rows(x.contiguous(), top_k, top_p, u)
     if index is None:
         return drawn.tolist()
-    return logits.argmax(dim=-1).index_copy_(0, index, drawn).tolist()
+    greedy = torch.ops.jitney.argmax_rows(logits.float())
+    return greedy.index_copy_(0, index, drawn).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,28 +174,6 @@ def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.devi
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return device_tensor(values, device, torch.float32).unsqueeze(1)
-
-
-def _cut(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Rows of logits with cut tokens at -inf. top-k keeps the k largest, top-p then the fewest
-    of those, largest first, whose mass reaches top_p (the top token always stays). The cut is
-    a logit threshold, so tokens tied with the last one kept stay too, and the sort order of
-    ties does not matter."""
-    vocab = x.shape[1]
-    k = [min(p.top_k or vocab, vocab) - 1 for p in params]  # index of the k-th largest
-    largest = max(k) + 1
-    if largest < vocab:
-        ordered = x.topk(largest, dim=-1).values
-    else:
-        ordered = x.sort(dim=-1, descending=True).values
-    kth = ordered.gather(1, device_tensor(k, x.device).unsqueeze(1))
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = ordered.softmax(dim=-1)
-    # top_p 1 is no cut: float mass can reach 1 before the last tokens and must not drop them.
-    top_p = _column([p.top_p if p.top_p < 1 else float("inf") for p in params], x.device)
-    keep = (probs.cumsum(dim=-1) - probs < top_p) & (ordered > float("-inf"))
-    threshold = ordered.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
-    return x.masked_fill(x < threshold, float("-inf"))
 
 
 # ----- counter-based noise -------------------------------------------------------------------

@@ -5,8 +5,10 @@ In step order, for the rows of the choices that sample (in chunk order):
 2. while the forward runs: the grammar masks of the constrained rows (engine/grammar_masks.py);
 3. after it: the prompt rows' log-probs collected, then penalties, bias and min_tokens
    (`adjust_logits`), the grammar masks, the pick (`sample`), each token's log-probs when asked,
-   and every grammar advanced by its token (a completed or refused one ends its request);
-4. the verifying sequences' drafts checked against the model's picks (engine/speculative.py).
+   and every grammar advanced by its token (a completed or refused one ends its request).
+A step with verifications picks its draft rows in the same pass, each as plain decoding would
+pick that position, and keeps each verifying sequence's drafts up to the first pick that differs
+(engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch
 
 from engine.choices import ChoiceState, ChoiceTable
 from engine.grammar_masks import Grammars, apply_masks
-from engine.sampler import TokenHistory, TokenLogprobs, adjust_logits, sample, token_logprobs
-from engine.speculative import draft_rows, verify_drafts
+from engine.sampler import TokenLogprobs, adjust_logits, sample, token_logprobs
+from engine.speculative import PickRows, draft_rows, grammar_cut, verify
 from scheduler import StepPlan
 
 
@@ -27,7 +29,8 @@ class StepResult:
     """What one forward pass and its sampling produced."""
 
     sampled: dict[str, int] = field(default_factory=dict)  # the token of every sequence sampled
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of those that asked
+    # Of those that asked: one per token of the step (the accepted drafts', then the sampled's).
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     grammar_done: set[str] = field(default_factory=set)  # grammar complete with this token
     # Verifying sequences' accepted drafts, output before their sampled token.
     accepted: dict[str, list[int]] = field(default_factory=dict)
@@ -41,10 +44,12 @@ class SamplingRows:
     reqs: list[ChoiceState]
     # Sequence id -> prompt positions (from its chunk's start) whose logits follow the rows.
     prompt_rows: dict[str, int]
-    constrained: list[int]  # the rows with a grammar
+    constrained: list[int]  # the rows with a grammar (of `picks`' rows, with drafts)
     # Verifying sequence id -> its draft count: its chunk's first k positions' logits follow
     # the rows too (engine/speculative.py), in chunk order with the prompt rows.
     draft_rows: dict[str, int] = field(default_factory=dict)
+    # The sampling rows then (with drafts) the draft rows, each picked as its position's own.
+    picks: PickRows = field(default_factory=PickRows)
 
     @property
     def extra_rows(self) -> dict[str, int]:
@@ -58,11 +63,10 @@ def sampling_rows(plan: StepPlan, choices: ChoiceTable) -> SamplingRows:
     """The rows a step's logits will hold, and which of them need more than a pick."""
     seq_ids = [c.seq_id for c in plan.chunks if c.samples]
     reqs = [choices.by_seq[i] for i in seq_ids]
-    constrained = []
-    if choices.constrained:
-        constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
     drafts = draft_rows(plan)
-    return SamplingRows(seq_ids, reqs, _prompt_rows(plan, choices), constrained, drafts)
+    picks = PickRows.of(reqs, seq_ids, drafts)
+    constrained = picks.constrained() if choices.constrained else []
+    return SamplingRows(seq_ids, reqs, _prompt_rows(plan, choices), constrained, drafts, picks)
 
 
 def _prompt_rows(plan: StepPlan, choices: ChoiceTable) -> dict[str, int]:
@@ -87,7 +91,10 @@ def grammar_masks(grammars: Grammars, rows: SamplingRows) -> torch.Tensor | None
     forward runs: on a GPU the CPU is idle then (on a CPU: microseconds)."""
     if not rows.constrained:
         return None
-    return grammars.masks([rows.reqs[j].matcher for j in rows.constrained])  # type: ignore[misc]
+    picks = rows.picks
+    matchers = [picks.reqs[r].matcher for r in rows.constrained]
+    after = [picks.drafts_before(r) for r in rows.constrained] if rows.draft_rows else None
+    return grammars.masks(matchers, after)  # type: ignore[arg-type]
 
 
 def sample_rows(
@@ -99,43 +106,52 @@ def sample_rows(
 ) -> StepResult:
     """The step's sampled token per sequence, and what the requests asked beside it."""
     reqs = rows.reqs
-    result = StepResult()
     prompt_logits, draft_logits = _extra_logits(plan, rows, logits[len(reqs) :])
     logits = logits[: len(reqs)]
     if rows.prompt_rows:
         collect_prompt_logprobs(plan, rows.prompt_rows, prompt_logits, choices)
-    params = [r.params for r in reqs]
+    picks = rows.picks
+    if rows.draft_rows:  # the draft rows are picked with the sampling rows, each as its own
+        logits = torch.cat([logits, draft_logits])
+    params = picks.params()
     if any(p.adjusts_logits for p in params):
-        histories = [
-            TokenHistory(
-                r.seq.prompt_token_ids, r.seq.output_token_ids, r.seq.limits.stop_token_ids
-            )
-            for r in reqs
-        ]
-        logits = adjust_logits(logits, params, histories)
+        logits = adjust_logits(logits, params, picks.histories())
     if masks is not None:
         logits = apply_masks(logits, rows.constrained, masks)
-    # A draw's position is its output index, so a resumed request continues its stream; a
-    # verification's sampling row comes after its drafts.
-    positions = [r.seq.num_output_tokens for r in reqs]
-    if drafts := rows.draft_rows:
-        positions = [n + drafts.get(i, 0) for n, i in zip(positions, rows.seq_ids, strict=True)]
-    tokens = sample(logits, params, positions)
+    # A draw's position is its output index, so a resumed request continues its stream.
+    tokens = sample(logits, params, picks.positions())
+    found = None
     if any(p.logprobs is not None for p in params):
         found = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        result.logprobs = {i: lp for i, lp in zip(rows.seq_ids, found, strict=True) if lp}
-    for j in rows.constrained:
-        matcher = reqs[j].matcher
-        assert matcher is not None
-        # A token the mask allowed is always accepted; a refused one (every token masked,
-        # e.g. min_tokens holding back the only end the grammar leaves) ends the request.
-        if not matcher.consume_token(tokens[j]) or matcher.is_stopped():
-            result.grammar_done.add(rows.seq_ids[j])
-    result.sampled = dict(zip(rows.seq_ids, tokens, strict=True))
     if rows.draft_rows:
-        result.accepted = verify_drafts(
-            draft_logits, rows.draft_rows, choices.by_seq, result.sampled
-        )
+        return _verified(rows, picks, tokens, found)
+    result = StepResult(sampled=dict(zip(rows.seq_ids, tokens, strict=True)))
+    if found is not None:
+        result.logprobs = {i: [lp] for i, lp in zip(rows.seq_ids, found, strict=True) if lp}
+    for j in rows.constrained:
+        if grammar_cut(reqs[j].matcher, tokens[j : j + 1]) is not None:  # type: ignore[arg-type]
+            result.grammar_done.add(rows.seq_ids[j])
+    return result
+
+
+def _verified(
+    rows: SamplingRows,
+    picks: PickRows,
+    tokens: list[int],
+    found: list[TokenLogprobs | None] | None,
+) -> StepResult:
+    """A step with verifications: each sequence's drafts kept up to the first pick that
+    differs, then that pick (engine/speculative.py)."""
+    result = StepResult()
+    for i, seq_id in enumerate(rows.seq_ids):
+        step = verify(picks, i, tokens, found)
+        result.sampled[seq_id] = step.tokens[-1]
+        if picks.offsets[i]:
+            result.accepted[seq_id] = step.tokens[:-1]
+        if step.logprobs:
+            result.logprobs[seq_id] = step.logprobs
+        if step.grammar_done:
+            result.grammar_done.add(seq_id)
     return result
 
 

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
-from engine.capacity import KVCapacity, budget_bytes, plan_capacity
+from engine.capacity import KVCapacity, budget_bytes, draft_budget_bytes, plan_capacity
 from engine.config import EngineConfig
+from engine.kernels import kernel_backend
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.memory_profile import step_peak_bytes
 from engine.models.forward import ModelForward
 from engine.models.model_loader import LoadedModel
 from engine.runner.decode_graphs import CudaGraphCapture, graph_reserved_bytes
-from engine.runner.model_runner import ModelRunner, model_forward_for
+from engine.runner.model_runner import ModelRunner, resolve_forward
 
 logger = logging.getLogger("jitney.engine")
 
@@ -37,33 +38,45 @@ class StartupPlan:
     capacity: KVCapacity
     kv_cache: PagedKVCache
     runner: ModelRunner
+    # Which forward runs the model and how it keeps its weights ("jitney-gguf", "transformers",
+    # ...; engine/runner/model_runner.py resolve_forward), with `auto` settings resolved.
+    forward_name: str
     # Why decode tokens do not attend through the Triton kernel (None: they do, or the device
     # has none to offer); bench/gpu_check.py reports it.
     decode_kernel_unused_because: str | None
+    # The draft model's KV pool, out of the same budget (engine/draft_model.py; 0: none).
+    draft_kv_bytes: int = 0
 
 
 def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
     device = config.torch_device
+    if device.type == "cpu":  # the sampler's and the quantized layers' C++ (built once, cached)
+        backend = kernel_backend()
+        logger.info("CPU kernels: %s %s (%s)", backend.name, backend.isa or "", backend.reason)
     model = loaded.model
     spec = KVCacheSpec(
         loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype, config.block_size
     )
     use_graphs = device.type == "cuda" and not config.enforce_eager
-    decode_kernel, why_not = _decode_attention(config, device, model, spec)
-    forward = model_forward_for(loaded, config.model_impl, config.quantization)
+    decode_kernel, why_not = decode_attention_for(config, device, model, spec)
+    forward_name, forward = resolve_forward(
+        loaded, config.model_impl, config.quantization, config.compile
+    )
+    logger.info("forward: %s", forward_name)
     step_peak = None
     if device.type == "cuda" and config.kv_cache_memory is None:
         step_peak = _step_peak(config, loaded, forward, spec, decode_kernel, use_graphs)
     budget = budget_bytes(config, device, step_peak)
-    capacity = plan_capacity(config, spec, loaded.max_model_len, budget)
+    draft_kv_bytes = draft_budget_bytes(config, budget)
+    capacity = plan_capacity(config, spec, loaded.max_model_len, budget - draft_kv_bytes)
     kv_cache = PagedKVCache(spec, capacity.num_blocks + 1, device, decode_kernel)
     runner = ModelRunner(forward, kv_cache)
     if use_graphs:
         runner.enable_decode_graphs(config.max_num_seqs, capacity.max_model_len, CudaGraphCapture())
-    return StartupPlan(capacity, kv_cache, runner, why_not)
+    return StartupPlan(capacity, kv_cache, runner, forward_name, why_not, draft_kv_bytes)
 
 
-def _decode_attention(
+def decode_attention_for(
     config: EngineConfig, device: torch.device, model: torch.nn.Module, spec: KVCacheSpec
 ) -> tuple[str | None, str | None]:
     """The in-place kernel decode tokens attend through (None: gathered), and if none, why."""

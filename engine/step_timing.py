@@ -1,4 +1,5 @@
-"""Where an engine step's time goes: schedule, prepare inputs, forward, sample, postprocess.
+"""Where an engine step's time goes: propose (a draft model's passes, speculative decoding),
+schedule, prepare inputs, forward, sample, postprocess.
 
 Always on: one `time.perf_counter()` per phase boundary, so the phases are consecutive laps and
 cover the step with no gap. The worker exports them (`jitney_step_phase_seconds`) and
@@ -20,8 +21,9 @@ import torch
 @dataclass(slots=True)
 class StepTiming:
     """Seconds one step spent in each phase; an empty step (nothing scheduled) has only
-    schedule and postprocess."""
+    schedule and postprocess (and propose, with a draft model)."""
 
+    propose: float = 0.0  # a draft model's passes (--speculative-model); 0 without one
     schedule: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0

@@ -11,7 +11,9 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from generation.reasoning import ReasoningFormat, reasoning_format
 from protocol import PRIORITIES, redis_url
+from protocol.queue.placement import PLACEMENT_DEFAULT
 
 MiB = 1024 * 1024
 # aiohttp's parser limits, stated here so they are ours: a longer header line or request line,
@@ -122,6 +124,16 @@ def _options(options: list[str], where: str) -> dict[str, float]:
     return values
 
 
+def parse_reasoning_parsers(value: str) -> tuple[tuple[str, str], ...]:
+    """`--reasoning-parser`: `NAME` (every model) and/or `MODEL=NAME` entries, comma-separated;
+    as (model, parser) pairs, "" for every model not named."""
+    pairs = []
+    for entry in filter(None, (e.strip() for e in value.split(","))):
+        model, _, name = entry.rpartition("=")
+        pairs.append((model, name))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     host: str = "0.0.0.0"
@@ -181,6 +193,16 @@ class GatewayConfig:
     batch_lease_s: float = 30.0
     # How often an idle runner looks for batches with work (busy: every BATCH_TICK_S).
     batch_poll_s: float = 1.0
+    # Prefix-aware placement: enqueue a request on the worker whose prefix cache holds most of
+    # its prompt, unless that worker is much busier (gateway/serving/placement.py).
+    prefix_placement: bool = PLACEMENT_DEFAULT
+    # Responses API: a stored response (store: true, the default) expires after this long, and
+    # one whose record (response and conversation) is larger than this is not stored.
+    responses_ttl_s: float = 24 * 3600.0
+    responses_max_bytes: int = 4 * MiB
+    # Reasoning parsers (generation.reasoning): (model, parser name) pairs, model "" for every
+    # model not named; a model without one has its output returned unsplit.
+    reasoning_parsers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -207,6 +229,7 @@ class GatewayConfig:
             "max_file_bytes",
             "batch_max_lines",
             "batch_max_queued",
+            "responses_max_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -214,17 +237,30 @@ class GatewayConfig:
             raise ValueError(f"batch concurrency must be >= 0, got {self.batch_concurrency}")
         if self.batch_lease_s <= 0 or self.batch_poll_s <= 0:
             raise ValueError("batch lease and poll interval must be > 0")
+        if not self.responses_ttl_s > 0:
+            raise ValueError(f"responses TTL must be > 0, got {self.responses_ttl_s}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request timeout must be > 0, got {self.request_timeout}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.chat_default_max_tokens < 1 or self.completion_default_max_tokens < 1:
             raise ValueError("default max_tokens must be >= 1")
+        models = [model for model, _ in self.reasoning_parsers]
+        if len(set(models)) != len(models):
+            raise ValueError("a model is given two reasoning parsers")
+        for _, name in self.reasoning_parsers:
+            reasoning_format(name)  # a ValueError naming the known parsers
         if self.reply_block_ms / 1000 >= self.redis_timeout_s:
             raise ValueError(
                 f"reply block ({self.reply_block_ms} ms) must be shorter than the Redis socket "
                 f"timeout ({self.redis_timeout_s} s), or every idle XREAD times out"
             )
+
+    def reasoning_format(self, model: str) -> ReasoningFormat | None:
+        """The reasoning parser of `model`'s output (None: its output is not split)."""
+        parsers = dict(self.reasoning_parsers)
+        name = parsers.get(model, parsers.get(""))
+        return None if name is None else reasoning_format(name)
 
     def limits_for(self, key: ApiKey | None) -> RateLimits:
         return self.rate_limits.with_overrides(key.overrides) if key else self.rate_limits

@@ -13,6 +13,16 @@ scale.md); a prefix that already holds a `{tag}` is used as it is.
                             carries `c`, its cost in tokens (prompt + max_tokens), for fair share
 - `{p}:requests:{model}:p{priority}[:k:{key id}]` the queue of one priority, and of one API key
                             with a fair-share weight; priority 0 without a key is the default
+- `{queue}:w:{worker}`      a worker's own stream of a queue (prefix-aware placement): requests
+                            a gateway placed there because that worker's prefix cache holds
+                            their prompt's start. Listed in the queue set like any queue; any
+                            other worker of the model takes an entry the owner has not read
+                            within the bound (protocol/queue/placement.py)
+- `{p}:queue_owners:{model}` hash own stream -> its worker id (which listed queues are whose)
+- `{p}:prefix:{worker}`     hash: a worker's prefix summary, expiring with its lease: a field per
+                            block hash its prefix cache holds (the hash's first 8 bytes, value
+                            empty), and its load (`room`, `waiting`, `block_size`: names of
+                            another length, so never a block's)
 - `{p}:queues:{model}`      sorted set queue stream -> priority: every queue of the model, read
                             most urgent first (protocol/queue/scripts.py, READ)
 - `{p}:queue_weights:{model}` hash queue stream -> its key's weight (1 when it has none)
@@ -46,6 +56,9 @@ scale.md); a prefix that already holds a `{tag}` is used as it is.
 - `{p}:batch_leases:{id}`   sorted set line index -> lease expiry (unix seconds): lines a gateway
                             is running; an expired lease is claimed again by any gateway
 - `{p}:batch_results:{id}`  hash line index -> its output line, written once (HSETNX)
+- `{p}:response:{id}`       hash: a stored Responses API response (`owner`: the API key id, `body`:
+                            the response object, `conversation`: its input and output items, for
+                            previous_response_id), expiring after the gateway's --responses-ttl
 
 Reply seq contract: replies of one request carry seq 0, 1, 2, ... with no gaps, whichever worker
 sends them; a worker that takes a request over continues after the replies already published
@@ -102,13 +115,28 @@ class Keys:
         tagged = re.search(r"\{[^}]+\}", self.prefix) is not None
         object.__setattr__(self, "tag", self.prefix if tagged else f"{{{self.prefix}}}")
 
-    def requests(self, model: str, priority: int = 0, share: str | None = None) -> str:
+    def requests(
+        self, model: str, priority: int = 0, share: str | None = None, worker: str | None = None
+    ) -> str:
         """The queue of `model` at `priority`, of API key `share` (one with a fair-share weight)
-        or of every other request at that priority."""
+        or of every other request at that priority; `worker`'s own stream of it if given."""
         name = f"{self.tag}:requests:{model}"
         if priority or share:
             name += f":p{priority}"
-        return f"{name}:k:{share}" if share else name
+        if share:
+            name += f":k:{share}"
+        return name + self.own_suffix(worker) if worker else name
+
+    @staticmethod
+    def own_suffix(worker: str) -> str:
+        """What a worker's own stream of a queue adds to the queue's name."""
+        return f":w:{worker}"
+
+    def queue_owners(self, model: str) -> str:
+        return f"{self.tag}:queue_owners:{model}"
+
+    def prefix_summary(self, worker_id: str) -> str:
+        return f"{self.tag}:prefix:{worker_id}"
 
     def queues(self, model: str) -> str:
         return f"{self.tag}:queues:{model}"
@@ -185,3 +213,6 @@ class Keys:
 
     def batch_results(self, batch_id: str) -> str:
         return f"{self.tag}:batch_results:{batch_id}"
+
+    def response(self, response_id: str) -> str:
+        return f"{self.tag}:response:{response_id}"

@@ -6,7 +6,10 @@ Every message is one stream entry (or hash) with two fields: `v` (the protocol v
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import struct
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
@@ -82,6 +85,13 @@ class RequestMessage(Message):
     # Lower is served first (vLLM's convention): admitted first, preempted last. PRIORITIES.
     priority: int = 0
     key_id: str | None = None  # the API key's id (never the key): the live view shows it
+    # A pooling request (/v1/embeddings): the prompt is computed and its vector replied
+    # (ReplyMessage.embedding) instead of tokens; `sampling` is not read.
+    embed: bool = False
+    # The W3C trace context (`traceparent`, maybe `tracestate`) of the gateway's enqueue span,
+    # when tracing is on: the worker's spans continue that trace (protocol/tracing.py). A
+    # worker that does not know the field ignores it; None when the gateway traces nothing.
+    trace_context: dict[str, str] | None = None
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -114,6 +124,9 @@ class ReplyMessage(Message):
     # When the request asked (sampling.prompt_logprobs): in its first reply, one entry per prompt
     # token after the first, [log-prob, [[id, log-prob], ...]] as for logprobs.
     prompt_logprobs: list[list[Any]] | None = None
+    # A pooling request's final reply: its vector, raw (not normalised), as `pack_vector`
+    # writes it.
+    embedding: str | None = None
 
     @property
     def is_final(self) -> bool:
@@ -158,6 +171,23 @@ _REPLY_DEFAULTS: dict[str, Any] = {
 }
 
 
+def pack_vector(values: Sequence[float]) -> str:
+    """A vector as base64 of little-endian float32: exact for float32 values, and the bytes
+    of OpenAI's `encoding_format: base64` too."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def unpack_vector(text: str) -> list[float]:
+    """`pack_vector`'s values back (ProtocolError if `text` is not such a vector)."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ProtocolError(f"vector: not base64: {e}") from e
+    if len(raw) % 4:
+        raise ProtocolError(f"vector: {len(raw)} bytes is no float32 vector")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+
+
 STOP_STRING = "stop"  # a cancel's reason when the request's text reached a stop string
 
 
@@ -192,3 +222,5 @@ class ModelCard(Message):
     # The model's own defaults for the sampling fields a request leaves out, by API name
     # (protocol.sampling_defaults.SamplingDefaults.to_dict); empty: the API's defaults.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # The length of its embeddings (/v1/embeddings: the hidden size); 0: none or not known.
+    embedding_size: int = 0

@@ -37,6 +37,9 @@ class Seat:
     target: int  # tokens to compute before the next sample: the prompt (+ output on recompute)
     priority: int
     key: str | None = None  # the API key's id, when the gateway has keys
+    # Output tokens its latest step gave it: 1 a decode, more a speculative verification (0:
+    # none yet, or a worker before this field).
+    step_tokens: int = 0
 
     def to_list(self) -> list[Any]:
         return [
@@ -49,6 +52,7 @@ class Seat:
             self.target,
             self.priority,
             self.key,
+            self.step_tokens,
         ]
 
 
@@ -63,6 +67,7 @@ SEAT_FIELDS = (
     "target",
     "priority",
     "key",
+    "step_tokens",
 )
 
 
@@ -80,6 +85,10 @@ class BatchSnapshot:
     step_ms: float  # the last step's duration
     limit: str  # what bounded the last step (scheduler.plan.StepLimit's value)
     seats: list[Seat] = field(default_factory=list)
+    # Prefix caching and placement since the worker started (absent from older workers):
+    # `hit_rate` (cached prompt tokens / looked up), entries read by where they waited (`own`,
+    # `shared`, `stolen`: worker/placement_metrics.py) and their mean wait, `wait_ms`.
+    prefix: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +106,7 @@ class BatchSnapshot:
             "limit": self.limit,
             "seat_fields": SEAT_FIELDS,
             "seats": [s.to_list() for s in self.seats],
+            "prefix": self.prefix,
         }
 
     def encode(self) -> str:
@@ -123,6 +133,7 @@ class BatchSnapshot:
                 float(d["step_ms"]),
                 str(d["limit"]),
                 seats,
+                _prefix(d.get("prefix")),
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ProtocolError(f"bad snapshot: {type(e).__name__}: {e}") from e
@@ -133,3 +144,12 @@ class BatchSnapshot:
             return cls.from_dict(json.loads(raw))
         except ValueError as e:
             raise ProtocolError(f"snapshot is not JSON: {e}") from e
+
+
+def _prefix(value: Any) -> dict[str, float] | None:
+    """A snapshot's prefix stats: names to numbers, or None (a worker before them)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"prefix is {type(value).__name__}, not an object")
+    return {str(k): float(v) for k, v in value.items()}

@@ -8,16 +8,18 @@ Invariants (checked by `check_integrity`):
 Prefix caching: a *full, computed* prompt block gets a chained content hash (its tokens plus the
 hash of the block before it), so equal hashes mean equal prefixes. A freed block keeps its hash and
 sits in the free list in eviction order; a later request with the same prefix revives it instead of
-recomputing. A block loses its hash only when it is handed out fresh.
+recomputing. A block loses its hash only when it is handed out fresh. The hash function is
+generation/block_hash.py's, which the gateway shares to place a request where its prefix is; the
+hashes that enter and leave the cache are logged (`cache_log`) for the worker's summary of them.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from generation.block_hash import prompt_block_hashes
+from scheduler.prefix_cache_log import CacheChanges, PrefixCacheLog
 from scheduler.sequence import Sequence
 
 
@@ -30,14 +32,6 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-
-
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """Chained content hash of one full block (blake2b: collisions would corrupt output)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash or b"root")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 @dataclass(slots=True)
@@ -63,6 +57,8 @@ class KVBlockManager:
         self._seqs: dict[str, _SeqBlocks] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which served from it
+        # Hashes registered or evicted since the worker's prefix summary last read them.
+        self.cache_log = PrefixCacheLog(limit=max(4 * num_blocks, 1024))
 
     # ----- read-only views -------------------------------------------------------------------
     @property
@@ -89,6 +85,14 @@ class KVBlockManager:
         It only grows while the allocation lives and is a new object after a free or a `trim`
         (the model runner keys its device copy on that identity)."""
         return self._seqs[seq_id].block_ids
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now (in use or evictable)."""
+        return list(self._cached)
+
+    def drain_cache_changes(self) -> CacheChanges:
+        """What entered and left the prefix cache since the last call (`cache_log`)."""
+        return self.cache_log.drain(self._cached.__contains__)
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of `seq` that its first allocation would take from the prefix cache."""
@@ -158,6 +162,7 @@ class KVBlockManager:
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
                 self._cached[h] = block.block_id
+                self.cache_log.record(h)
         entry.num_hashed = num_full
 
     def trim(self, seq: Sequence, num_tokens: int, reserve_tokens: int = 0) -> int:
@@ -202,13 +207,8 @@ class KVBlockManager:
         if not self.enable_prefix_caching:
             return []
         if seq.prompt_block_hashes is None:
-            hashes: list[bytes] = []
-            parent: bytes | None = None
-            bs = self.block_size
-            for i in range(seq.num_prompt_tokens // bs):
-                parent = hash_block(parent, seq.prompt_token_ids[i * bs : (i + 1) * bs])
-                hashes.append(parent)
-            seq.prompt_block_hashes = (bs, hashes)
+            hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size)
+            seq.prompt_block_hashes = (self.block_size, hashes)
         block_size, hashes = seq.prompt_block_hashes
         if block_size != self.block_size:
             raise ValueError(
@@ -241,6 +241,7 @@ class KVBlockManager:
         block = self.blocks[b]
         if block.block_hash is not None:  # evict its cached content
             del self._cached[block.block_hash]
+            self.cache_log.record(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return b

@@ -102,6 +102,14 @@ class Sequence:
     # The most drafts its next verification proposes (0: the configured most): it follows the
     # sequence's acceptance, so a sequence whose drafts fail stops paying for long ones.
     max_draft_tokens: int = 0
+    # Verifications in a row that kept no draft, and the plain decodes it waits before proposing
+    # again (1, 2, 4, ... up to 32 after as many misses): text that never repeats itself costs a
+    # one-draft verification every 32 steps, not every step.
+    num_draft_misses: int = 0
+    draft_pause: int = 0
+    # Output tokens its latest sampling step gave it: 1 for a decode, the kept drafts and the
+    # sampled token for a verification (the live view shows it).
+    num_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

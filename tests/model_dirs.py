@@ -6,6 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# Shapes small enough for a worker to start and answer in moments: a model directory of a test's
+# own (a chat template of its own, a second model).
+SMALL_LLAMA: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 512,
+}
+
 
 def write_random_llama(path: Path, seed: int = 0, **config: Any) -> Path:
     """`config`: LlamaConfig fields (sizes); the vocabulary and special ids are the tokenizer's."""

@@ -85,12 +85,18 @@ def test_chosen_command_skips_options_before_it():
 
 def test_engine_flag_defaults_are_the_scheduler_defaults():
     """A bare EngineConfig and `jitney worker` without flags schedule exactly as a bare
-    SchedulerConfig: one set of defaults."""
+    SchedulerConfig, but for the speculative method the engine resolves (`auto`: n-gram under
+    continuous batching): one set of defaults."""
     from engine.config import EngineConfig
 
+    bare = SchedulerConfig()
+    want = dataclasses.replace(
+        bare, speculative=dataclasses.replace(bare.speculative, method="ngram")
+    )
     args = build_parser(["worker"]).parse_args(["worker"])
-    assert engine_config_from_args(args).scheduler_config() == SchedulerConfig()
-    assert EngineConfig().scheduler_config() == SchedulerConfig()
+    assert engine_config_from_args(args).scheduler_config() == want
+    assert EngineConfig().scheduler_config() == want
+    assert EngineConfig(batching="static").scheduler_config().speculative.method == "none"
 
 
 def test_max_preemptions_per_seq_flag_and_env_reach_the_scheduler(monkeypatch):
@@ -145,8 +151,14 @@ def test_every_engine_flag_defaults_to_its_engine_config_field():
     assert engine_config_from_args(args) == EngineConfig()
 
 
-# Engine fields set by a switch (--reserve, --no-prefix-caching, --enforce-eager), not a value.
-SWITCHED_ENGINE_FIELDS = {"reserve_full_length", "enable_prefix_caching", "enforce_eager"}
+# Engine fields set by a switch (--reserve, --no-prefix-caching, --enforce-eager, --compile), not
+# a value.
+SWITCHED_ENGINE_FIELDS = {
+    "reserve_full_length",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "compile",
+}
 
 
 def test_every_gateway_flag_defaults_to_its_gateway_config_field():
@@ -158,12 +170,14 @@ def test_every_gateway_flag_defaults_to_its_gateway_config_field():
     fields = {
         "shutdown_timeout": "shutdown_timeout_s",
         "batch_lease": "batch_lease_s",
+        "responses_ttl": "responses_ttl_s",
         "rate_limit_rps": "rps",
         "rate_limit_burst": "burst",
         "rate_limit_tpm": "tpm",
     }
-    # Flags with no plain field default: a generated id, keys parsed into ApiKeys, logging.
-    no_field = {"gateway_id", "api_keys", "api_keys_file", "log_level"}
+    # Flags with no plain field default: a generated id, keys parsed into ApiKeys, reasoning
+    # parsers parsed into (model, name) pairs, logging.
+    no_field = {"gateway_id", "api_keys", "api_keys_file", "log_level", "reasoning_parser"}
     assert set(defaults) - no_field, "no gateway flags found"
     for dest, default in defaults.items():
         if dest not in no_field:

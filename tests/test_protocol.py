@@ -38,6 +38,8 @@ from protocol.queue import (
     read_reply,
 )
 from protocol.queue import scripts as queue_scripts
+from protocol.queue.calls import lookup_call, place_call
+from protocol.queue.placement import UNREAD_COUNT_BOUND, SummaryUpdate
 
 
 def test_messages_round_trip_through_stream_fields():
@@ -145,6 +147,9 @@ def test_key_names_share_one_prefix_as_a_cluster_hash_tag():
         keys.workers,
         keys.gateways,
         keys.model("m"),
+        keys.requests("m", 3, "k", worker="w1"),
+        keys.queue_owners("m"),
+        keys.prefix_summary("w1"),
     ]
     assert all(n.startswith("{tenant}:") for n in names) and len(set(names)) == len(names)
     assert len({key_slot(n.encode()) for n in names}) == 1
@@ -270,3 +275,31 @@ def test_the_read_script_s_reply_becomes_queues_and_entries():
     """READ returns its queues flat with their priorities and each entry's fields flat."""
     reply = [[b"q0", b"0", b"q1", b"-3"], [[b"q1", b"5-1", [b"v", b"1", b"c", b"9"]]]]
     assert read_reply(reply) == ({"q0": 0, "q1": -3}, [("q1", "5-1", {b"v": b"1", b"c": b"9"})])
+
+
+def test_placement_calls_lay_out_keys_and_argv_as_the_scripts_read_them():
+    """PLACE is ENQUEUE's call plus the owners hash, the target's own stream and summary, and
+    the target's id; LOOKUP pairs each worker's summary with its own stream of the queue; READ
+    with placement adds the owners hash and the own-stream mark, summaries' prefix, steal bound
+    and flag; a summary update is publish's `S` operation; the heartbeat renews the summary."""
+    k, model = QUEUE_KEYS, "m"
+    queue = Queue(priority=2, share="key1", weight=3)
+    fields = encode_entry(RequestMessage("r", model, [1], {}, "x", "g", 0.0), 7)
+    stream, own = k.requests(model, 2, "key1"), k.requests(model, 2, "key1", worker="w1")
+    assert own == stream + ":w:w1" == queue.stream(k, model, "w1")
+    call = place_call(k, model, queue, "w1", fields, prompt_tokens=1)
+    enqueue = enqueue_call(k, model, queue, fields, prompt_tokens=1)
+    assert call.keys == [*enqueue.keys, k.queue_owners(model), own, k.prefix_summary("w1")]
+    assert call.args == [*enqueue.args, "w1"]
+    call = lookup_call(k, model, queue, ["w1", "w2"], [b"h1", b"h2"])
+    assert call.keys == [k.prefix_summary("w1"), own, k.prefix_summary("w2"), stream + ":w:w2"]
+    assert call.args == [WORKER_GROUP, UNREAD_COUNT_BOUND, b"h1", b"h2"]
+    call = read_call(k, model, "w1", 4, placed=True, steal=True, steal_after_ms=250)
+    assert call.keys == [*read_call(k, model, "w1", 4).keys, k.queue_owners(model)]
+    assert call.args[5:] == [":w:", k.prefix_summary(""), 250, 1]
+    update = SummaryUpdate("s", 5000, True, [b"a" * 8], [b"b" * 8, b"c" * 8], {"room": 3})
+    call = publish_call(k, "w1", model, [], set(), [], [], update)
+    assert call.args[2:] == ["S", "s", 5000, 1, 1, 2, 1, b"a" * 8, b"b" * 8, b"c" * 8, "room", 3]
+    assert publish_call(k, "w1", model, [], set(), [], [], SummaryUpdate("s", 1)).args[2:] == []
+    call = heartbeat_call(k, "w1", model, "card", 12.5, summary_ttl_ms=5000)
+    assert call.keys[-1] == k.prefix_summary("w1") and call.args == ["w1", 12.5, 5000]

@@ -10,7 +10,8 @@ One iteration, each part a bounded number of round trips:
    engine (worker/intake.py);
 5. one engine step; the deltas of the whole batch and the XACK+XDEL of finished requests go out
    atomically in one round trip (refused if this worker was fenced). A takeover later reads
-   those replies back from the request's reply stream to continue after them.
+   those replies back from the request's reply stream to continue after them. With placement,
+   the prefix summary's changes ride along (worker/prefix_summary.py).
 A heartbeat thread renews the lease while the loop makes progress (worker/lease.py).
 A worker never hoards: what it reads it can start now, so another worker gets the rest.
 
@@ -35,11 +36,13 @@ from worker.lease import Lease
 from worker.live_snapshot import SnapshotPublisher
 from worker.log_fields import kv
 from worker.metrics import WorkerMetrics
+from worker.prefix_summary import PrefixSummary
 from worker.redis_backoff import RedisBackoff
 from worker.redis_io import Entry, EntryRef, WorkerRedis
 from worker.request_book import RequestBook
 from worker.service_config import ServiceConfig
 from worker.takeover import Takeover
+from worker.tracing import worker_traces
 
 logger = logging.getLogger("jitney.worker")
 
@@ -50,6 +53,7 @@ WAITING_POLL_MS = 5
 # This many failed steps in a row (none succeeding in between) and the worker exits non-zero:
 # the device is broken, not a request (a poison request fails at most MAX_DELIVERIES times).
 MAX_CONSECUTIVE_STEP_FAILURES = 10
+SUMMARY_LOST = 2  # WorkerRedis.publish: applied, but the prefix summary was gone from Redis
 
 
 @dataclass(slots=True)
@@ -82,7 +86,7 @@ class WorkerService:
         self.metrics = metrics
         self.card = card
         self.failpoints = failpoints or Failpoints()
-        self.book = RequestBook(metrics)
+        self.book = RequestBook(metrics, traces=worker_traces(config.worker_id, card.name))
         self.state = _LoopState()
         self.takeover = Takeover(io)
         self.admission = Admission()
@@ -92,6 +96,8 @@ class WorkerService:
         self.lease = Lease(io, card, config.stall_timeout_s)
         self.backoff = RedisBackoff(on_recovered=self.takeover.after_outage)
         self.snapshots = SnapshotPublisher(io.client, io.keys, config.worker_id, card.name)
+        # Prefix-aware placement: what this worker's cache holds, for gateways (None: off).
+        self.summary = PrefixSummary(io.summary_key) if io.placement else None
 
     # ----- lifecycle -----------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -148,6 +154,9 @@ class WorkerService:
         if released:
             logger.warning("released_previous_entries %s", kv(entries=released))
         io.unfence()
+        if self.summary is not None:
+            io.join_placement(self.engine.view.block_size)
+            self.summary.restart()
         io.heartbeat(self.card)
         self.state.cancels_after = io.last_cancel_id()
 
@@ -162,10 +171,11 @@ class WorkerService:
         self._admit()
         if self.engine.has_unfinished():
             self._step()
+        self._summarize()
         self._publish()  # the whole step's replies and acks: one round trip
-        self.snapshots.maybe_publish(
-            self.engine, self.book.tracked
-        )  # the live batch view, twice a second
+        self.snapshots.maybe_publish(  # the live batch view, twice a second
+            self.engine, self.book.tracked, self.metrics.placement.counts
+        )
         view = self.engine.view
         self.metrics.set_state(
             view.num_running,
@@ -178,11 +188,31 @@ class WorkerService:
     def _publish(self) -> None:
         if self.book.outbox:
             start = time.perf_counter()
-            applied = self.io.publish(self.book.outbox)
+            status = self.io.publish(self.book.outbox)
             self.metrics.observe_publish(time.perf_counter() - start)
             self.book.clear_outbox()
-            if not applied:
+            if not status:
                 self._on_fenced()
+            elif status == SUMMARY_LOST:
+                self.io.placement_lost = True
+
+    def _summarize(self) -> None:
+        """The prefix summary's changes go with this step's publish; a stopping worker takes
+        its summary down instead (no more placements; what waits in its own streams is
+        anyone's at once)."""
+        summary, outbox = self.summary, self.book.outbox
+        if summary is None or outbox.summary is not None:
+            return  # off, or the last changes are still to send (a failed publish)
+        if self.stopping:
+            self.io.withdraw_summary()
+            self.summary = None
+            return
+        if self.io.placement_lost:  # Redis restarted: the summary and own streams are gone
+            self.io.join_placement(self.engine.view.block_size)
+            self.io.placement_lost = False
+            summary.restart()
+        view = self.engine.view
+        outbox.summary = summary.update(view, self._num_to_read(), view.num_waiting)
 
     def _on_fenced(self) -> None:
         """Another worker judged this one dead and took (some of) its requests: drop them all
@@ -190,6 +220,8 @@ class WorkerService:
         dropped = len(self.book.tracked)
         self._drop_all()
         self.book.clear_outbox()
+        if self.summary is not None:  # its writes were refused with the rest
+            self.summary.restart()
         released = self.lease.rejoin()
         logger.warning("fenced %s", kv(dropped=dropped, released=released))
 
@@ -285,6 +317,8 @@ class WorkerService:
         self.metrics.observe_step(e.stats, now - start)
         self.metrics.observe_phases(e.last_step_timing)
         self.state.last_step_empty = e.stats.batch_size == 0
+        if self.book.traces is not None:  # tracing on: before the book ends requests
+            self.book.traces.on_step(e.view, e.stats, outputs, start, now)
         self.book.on_step(outputs, e.view.first_scheduled_time, start, now)
 
     def _step_failed(self) -> None:

@@ -62,7 +62,10 @@ class Intake:
             len(m.prompt_token_ids) for _, m in messages if isinstance(m.prompt_token_ids, list)
         )
         flags = self.io.dequeue([msg.request_id for _, msg in messages], queued)
+        now = time.time()
         for (entry, msg), cancelled in zip(messages, flags, strict=True):
+            outcome = self.io.placement_outcome(entry.queue)
+            self.metrics.placement.read(outcome, now - msg.enqueue_time)
             request = self._tracked(entry, msg)
             if msg.request_id in book.tracked:  # at-least-once delivery: already serving it
                 logger.warning("duplicate_request %s", kv(request=msg.request_id))
@@ -89,6 +92,7 @@ class Intake:
                 continue
             request = self._tracked(c.entry, msg, next_seq=len(c.delivered))
             request.last_chance = self.takeover.is_last_chance(c.deliveries)
+            self.book.taken_over(request, len(c.delivered), c.deliveries)  # its trace goes on
             if self.takeover.is_poison(c):
                 reason = f"failed on {c.deliveries - 1} deliveries"
                 self.io.dead_letter(c.entry, reason)
@@ -115,6 +119,7 @@ class Intake:
         request = TrackedRequest(entry.ref, msg.reply_to, enqueue_time, msg.gateway_id, next_seq)
         request.key_id = msg.key_id if isinstance(msg.key_id, str) else None
         request.cost = entry_cost(entry.fields)
+        request.trace = self.book.open_trace(msg, entry.queue, enqueue_time)  # None: tracing off
         return request
 
     def _dropped_before_start(self, msg: RequestMessage, request: TrackedRequest) -> bool:
@@ -162,6 +167,7 @@ class Intake:
                 request.enqueue_time,
                 resumed,
                 priority=msg.priority,
+                embed=msg.embed is True,  # /v1/embeddings: a vector, no tokens
             )
         except (InvalidRequest, *REJECTIONS) as err:  # too long, infeasible, bad fields
             self.book.reject(msg.request_id, request, "error", str(err), INVALID_REQUEST)

@@ -31,7 +31,8 @@ from protocol.snapshot import (
     BatchSnapshot,
     Seat,
 )
-from scheduler import SequenceStatus
+from scheduler import SchedulerStats, SequenceStatus
+from worker.placement_metrics import OUTCOMES, WAIT_S
 from worker.request_book import TrackedRequest
 
 logger = logging.getLogger("jitney.worker")
@@ -67,8 +68,10 @@ def build_snapshot(
     full_ids: bool = False,
     waiting_seats: int = WAITING_SEATS,
     tracked: Mapping[str, TrackedRequest] | None = None,
+    reads: Mapping[str, float] | None = None,
 ) -> BatchSnapshot:
-    """`tracked`: the worker's book (request id -> what came with it: its API key id)."""
+    """`tracked`: the worker's book (request id -> what came with it: its API key id);
+    `reads`: entries read by where they waited and their waits (worker/placement_metrics.py)."""
     view = engine.view
     seats = [
         Seat(
@@ -81,6 +84,7 @@ def build_snapshot(
             seq.num_tokens,
             seq.priority,
             _key_id(tracked, seq.request_id),
+            seq.num_step_tokens,
         )
         for seq in view.sequences(waiting_seats)
     ]
@@ -98,7 +102,18 @@ def build_snapshot(
         step_ms=engine.last_step_timing.total * 1000,
         limit=stats.limit.value,
         seats=seats,
+        prefix=_prefix_stats(stats, reads or {}),
     )
+
+
+def _prefix_stats(stats: SchedulerStats, reads: Mapping[str, float]) -> dict[str, float]:
+    """The prefix hit rate, the entries read by where they waited and their mean wait (ms)."""
+    queried = stats.num_prefix_queries_total
+    hit_rate = stats.num_prefix_hits_total / queried if queried else 0.0
+    counts = {o: float(reads.get(o, 0)) for o in OUTCOMES}
+    read = sum(counts.values())
+    wait_ms = 1000 * reads.get(WAIT_S, 0.0) / read if read else 0.0
+    return {"hit_rate": round(hit_rate, 4), **counts, "wait_ms": round(wait_ms, 2)}
 
 
 def _key_id(tracked: Mapping[str, TrackedRequest] | None, request_id: str) -> str | None:
@@ -122,7 +137,10 @@ class SnapshotPublisher:
     _failing: bool = False
 
     def maybe_publish(
-        self, engine: Engine, tracked: Mapping[str, TrackedRequest] | None = None
+        self,
+        engine: Engine,
+        tracked: Mapping[str, TrackedRequest] | None = None,
+        reads: Mapping[str, float] | None = None,
     ) -> None:
         now = time.monotonic()
         if now < self._next_at:
@@ -130,7 +148,7 @@ class SnapshotPublisher:
         self._next_at = now + self.interval_s
         try:
             snapshot = build_snapshot(
-                engine, self.worker_id, self.model, self.full_ids, tracked=tracked
+                engine, self.worker_id, self.model, self.full_ids, tracked=tracked, reads=reads
             )
             key = self.keys.live_batch(self.worker_id)
             self.client.set(key, snapshot.encode(), px=int(HEARTBEAT_TTL_S * 1000))

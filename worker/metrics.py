@@ -28,6 +28,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from engine.step_timing import PHASES, PUBLISH, StepTiming
 from protocol.metric_buckets import TTFT_BUCKETS
 from scheduler import SchedulerStats
+from worker.placement_metrics import PlacementMetrics
 from worker.vllm_metrics import served_registry
 
 ITL_BUCKETS = (
@@ -156,8 +157,8 @@ class WorkerMetrics:
         )
         self._step_phases = Histogram(
             "jitney_step_phase_seconds",
-            "Time per step in each phase: schedule, prepare, forward, sample, postprocess, "
-            "publish (the replies' Redis round trip)",
+            "Time per step in each phase: propose (a draft model's passes), schedule, prepare, "
+            "forward, sample, postprocess, publish (the replies' Redis round trip)",
             (*LABELS, "phase"),
             registry=r,
             buckets=STEP_PHASE_BUCKETS,
@@ -195,6 +196,7 @@ class WorkerMetrics:
             (*LABELS, "limit"),
             registry=r,
         )
+        self.placement = PlacementMetrics(r, self._labels)
         # The scheduler's counters are running totals; the exporter adds their increments.
         self._last_totals = (0,) * 7
         # /ready answers this (the service sets it: joined and not stopping).

@@ -36,6 +36,14 @@ from protocol.queue import (
     read_reply,
     scripts,
 )
+from protocol.queue.placement import (
+    BLOCK_SIZE_FIELD,
+    ROOM_FIELD,
+    STEAL_AFTER_MS,
+    SUMMARY_TTL_MS,
+    SummaryUpdate,
+    placed_read_reply,
+)
 from protocol.redis_client import sync_client
 
 # A blocking read must return before the socket times out (redis-py raises TimeoutError then).
@@ -47,6 +55,9 @@ RELEASED_IDLE_MS = 24 * 3600 * 1000
 # While a model has one queue, reads skip the script but for one every this often (to find a
 # first queue of another priority).
 LIST_QUEUES_S = 0.5
+# With placement: how often a read also looks at other workers' own streams for entries to take
+# (sooner when the last look said one becomes takeable sooner).
+STEAL_CHECK_S = 0.25
 
 
 @dataclass(slots=True)
@@ -81,9 +92,10 @@ class Outbox:
     refunds: list[tuple[str, int]] = field(default_factory=list)
     # Reply streams of gateways that are gone: replies go only if the stream still exists.
     gone_streams: set[str] = field(default_factory=set)
+    summary: SummaryUpdate | None = None  # the prefix summary's changes (placement)
 
     def __bool__(self) -> bool:
-        return bool(self.replies or self.acks or self.refunds)
+        return bool(self.replies or self.acks or self.refunds or self.summary)
 
 
 @dataclass(slots=True)
@@ -137,7 +149,15 @@ def published_history(replies: Sequence[ReplyMessage]) -> list[ReplyMessage] | N
 
 
 class WorkerRedis:
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, model: str):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        worker_id: str,
+        model: str,
+        placement: bool = False,
+        steal_after_ms: int = STEAL_AFTER_MS,
+    ):
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
@@ -150,20 +170,39 @@ class WorkerRedis:
         self.model_workers = keys.model_workers(model)
         self.queued_tokens = keys.queued_tokens(model)
         # Each runs every step or second: registered once, called by SHA (scripts.py).
+        # Prefix-aware placement: this worker publishes a summary, has own streams, and reads
+        # them with the shared ones (protocol/queue/placement.py).
+        self.placement = placement
+        self.steal_after_ms = steal_after_ms
+        self.summary_key = keys.prefix_summary(worker_id)
+        self.own_suffix = keys.own_suffix(worker_id)
+        self.owned: dict[str, str] = {}  # own streams (any worker's) -> their queue, as last read
+        # Redis lost the summary and own streams (a restart: the heartbeat found the card gone,
+        # or a publish found the summary gone): the loop joins placement again. Set by the
+        # heartbeat thread, cleared by the loop.
+        self.placement_lost = False
+        self._steal_at = 0.0  # monotonic: when a read next looks at others' own streams
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
         self._publish = client.register_script(scripts.PUBLISH)
         self._read = client.register_script(scripts.READ)
 
     @classmethod
     def connect(
-        cls, url: str, keys: Keys, worker_id: str, model: str, idle_block_ms: int
+        cls,
+        url: str,
+        keys: Keys,
+        worker_id: str,
+        model: str,
+        idle_block_ms: int,
+        placement: bool = False,
+        steal_after_ms: int = STEAL_AFTER_MS,
     ) -> WorkerRedis:
         client = sync_client(
             url,
             socket_timeout=idle_block_ms / 1000 + SOCKET_TIMEOUT_MARGIN_S,
             socket_connect_timeout=2.0,
         )
-        return cls(client, keys, worker_id, model)
+        return cls(client, keys, worker_id, model, placement, steal_after_ms)
 
     # ----- joining and leaving -------------------------------------------------------------
     def ensure_group(self) -> None:
@@ -184,10 +223,12 @@ class WorkerRedis:
     def heartbeat(self, card: ModelCard) -> bool:
         """Renew this worker's lease; publish the model card if it is missing (a Redis restart
         lost it). One round trip unless the card is missing. False: this worker is fenced."""
-        call = heartbeat_call(self.keys, self.worker_id, self.model, card.name, time.time())
+        ttl_ms = SUMMARY_TTL_MS if self.placement else 0
+        call = heartbeat_call(self.keys, self.worker_id, self.model, card.name, time.time(), ttl_ms)
         renewed, has_card = self._heartbeat(keys=call.keys, args=call.args)
         if not has_card:
             self.publish_card(card)
+            self.placement_lost = self.placement
         return bool(renewed)
 
     def publish_card(self, card: ModelCard) -> None:
@@ -253,10 +294,34 @@ class WorkerRedis:
     def unfence(self) -> None:
         self.client.delete(self.keys.fenced(self.worker_id))
 
+    def join_placement(self, block_size: int) -> None:
+        """Start an empty prefix summary (the loop's first publish fills it; gateways count
+        this worker in from now) and make this worker's own stream of the default queue,
+        listed, so its idle wait covers it from the start: the summary first, or another
+        worker's read would drop the ownerless stream."""
+        own = self.keys.requests(self.model, worker=self.worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(self.summary_key)
+        pipe.hset(self.summary_key, mapping={ROOM_FIELD: 0, BLOCK_SIZE_FIELD: block_size})
+        pipe.pexpire(self.summary_key, SUMMARY_TTL_MS)
+        pipe.zadd(self.keys.queues(self.model), {own: 0})
+        pipe.hset(self.keys.queue_owners(self.model), own, self.worker_id)
+        pipe.xgroup_create(own, WORKER_GROUP, id="0", mkstream=True)
+        for result in pipe.execute(raise_on_error=False):
+            if isinstance(result, redis.ResponseError) and "BUSYGROUP" not in str(result):
+                raise result
+
+    def withdraw_summary(self) -> None:
+        """No more placements here (leaving): gateways stop placing, and others may take what
+        waits in this worker's own streams at once."""
+        self.client.delete(self.summary_key)
+
     def leave(self) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.zrem(self.keys.workers, self.worker_id)
         pipe.zrem(self.model_workers, self.worker_id)
+        if self.placement:
+            pipe.delete(self.summary_key)
         pipe.execute()
 
     # ----- the loop ------------------------------------------------------------------------
@@ -275,6 +340,8 @@ class WorkerRedis:
         every LIST_QUEUES_S), a plain XREADGROUP does, as before queues per priority existed;
         a first queue of another priority is seen within that interval."""
         now = time.monotonic()
+        if self.placement:
+            return self._read_placed(count, block_ms, below, now)
         if below is None and len(self.queues) == 1 and now < self._list_queues_at:
             return self._read_default(count, block_ms)
         self._list_queues_at = now + LIST_QUEUES_S
@@ -288,6 +355,43 @@ class WorkerRedis:
         # nearly idle worker has room for them). A queue made during the wait is seen at the
         # next read, within block_ms.
         return self._xreadgroup(dict.fromkeys(self.queues, ">"), 1, block_ms)
+
+    def _read_placed(
+        self, count: int, block_ms: int | None, below: int | None, now: float
+    ) -> list[Entry]:
+        """The read with own streams (scripts.READ with placement): the script every time; it
+        looks at other workers' own streams every STEAL_CHECK_S, or when one of their entries
+        becomes takeable. Idle, it blocks on its own and the shared streams only (others' are
+        not its to read at once), no longer than until the next look."""
+        steal = now >= self._steal_at
+        call = read_call(
+            self.keys, self.model, self.worker_id, count, below, True, steal, self.steal_after_ms
+        )
+        raw = self._read(keys=call.keys, args=call.args)
+        reply, placed = read_reply(raw), placed_read_reply(raw[2:])
+        self.queues, self.owned = reply.queues, placed.owned
+        if steal:
+            wait_s = STEAL_CHECK_S if placed.steal_in_ms is None else placed.steal_in_ms / 1000
+            self._steal_at = now + min(wait_s, STEAL_CHECK_S)
+        entries = [Entry(entry_id, fields, queue) for queue, entry_id, fields in reply.entries]
+        if entries or not block_ms or below is not None:
+            return entries
+        mine = [q for q in self.queues if self.placement_outcome(q) != "stolen"]
+        if len(mine) < len(self.queues):  # others' streams exist: look again in time
+            block_ms = max(1, min(block_ms, int(1000 * (self._steal_at - time.monotonic()))))
+        return self._xreadgroup(dict.fromkeys(mine, ">"), 1, block_ms)
+
+    def queue_of(self, stream: str) -> str:
+        """The queue a stream is of: itself, or the queue an own stream belongs to."""
+        return self.owned.get(stream, stream)
+
+    def placement_outcome(self, stream: str) -> str:
+        """How an entry read from `stream` got here: its own stream ("own"), another worker's
+        ("stolen"), or the queue's shared one ("shared")."""
+        queue = self.owned.get(stream)
+        if queue is None:
+            return "shared"
+        return "own" if stream == queue + self.own_suffix else "stolen"
 
     def _read_default(self, count: int, block_ms: int | None) -> list[Entry]:
         return self._xreadgroup({self.requests: ">"}, count, block_ms)
@@ -316,8 +420,9 @@ class WorkerRedis:
         flags = pipe.execute()
         return [bool(n) for n in flags[1 if prompt_tokens else 0 :]]
 
-    def publish(self, outbox: Outbox) -> bool:
-        """Apply one step's writes atomically; False (nothing written) if this worker is fenced."""
+    def publish(self, outbox: Outbox) -> int:
+        """Apply one step's writes atomically: 1; 0 (nothing written) if this worker is fenced;
+        2 when its prefix summary was gone (Redis lost it): it must be sent afresh."""
         call = publish_call(
             self.keys,
             self.worker_id,
@@ -325,9 +430,10 @@ class WorkerRedis:
             outbox.replies,
             outbox.gone_streams,
             outbox.acks,
-            outbox.refunds,
+            [(self.queue_of(queue), tokens) for queue, tokens in outbox.refunds],
+            outbox.summary,
         )
-        return bool(self._publish(keys=call.keys, args=call.args))
+        return int(self._publish(keys=call.keys, args=call.args))
 
     # ----- taking over orphaned work -------------------------------------------------------
     def roster(self, lease_s: float) -> Roster:

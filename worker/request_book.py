@@ -9,16 +9,18 @@ in one round trip per step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs
-from protocol import ReplyMessage
+from protocol import ReplyMessage, RequestMessage, pack_vector
 from worker.log_fields import kv
 from worker.metrics import WorkerMetrics
 from worker.redis_io import EntryRef, Outbox
+from worker.tracing import HANDED_BACK, RequestTrace, WorkerTraces
 
 logger = logging.getLogger("jitney.worker")
 
@@ -43,6 +45,7 @@ class TrackedRequest:
     key_id: str | None = None  # the API key it came with (the live view shows it)
     cost: int = 0  # tokens its queue was charged when read (prompt + max_tokens of each choice)
     used: int = 0  # completion tokens of its finished choices
+    trace: RequestTrace | None = None  # what its spans will say (None: tracing off)
 
 
 @dataclass(slots=True)
@@ -51,16 +54,33 @@ class RequestBook:
     tracked: dict[str, TrackedRequest] = field(default_factory=dict)
     unscheduled: set[str] = field(default_factory=set)  # queue delay not yet observed
     outbox: Outbox = field(default_factory=Outbox)
+    traces: WorkerTraces | None = None  # OpenTelemetry spans of the requests (None: off)
+
+    def open_trace(
+        self, msg: RequestMessage, stream: str, enqueue_time: float
+    ) -> RequestTrace | None:
+        """A request read (or claimed) now: its trace, continuing its entry's (None: off)."""
+        if self.traces is None:
+            return None
+        return self.traces.open(msg, stream, time.monotonic(), enqueue_time)
+
+    def taken_over(self, request: TrackedRequest, num_replies: int, deliveries: int) -> None:
+        if request.trace is not None:
+            request.trace.mark_taken_over(num_replies, deliveries)
 
     def track(self, request_id: str, request: TrackedRequest) -> None:
         self.tracked[request_id] = request
         if request.next_seq == 0:  # a takeover's queue delay and TTFT were observed before
             self.unscheduled.add(request_id)
+        if self.traces is not None and request.trace is not None:
+            self.traces.started(request_id, request.trace)
 
     def drop(self, request_id: str) -> TrackedRequest:
         """Forget a request without any reply (handed back, or taken over by another worker)."""
         self.unscheduled.discard(request_id)
-        return self.tracked.pop(request_id)
+        request = self.tracked.pop(request_id)
+        self._end_trace(request_id, request, time.monotonic(), HANDED_BACK)
+        return request
 
     def clear_outbox(self) -> None:
         """After a successful publish (a failed one leaves the outbox to retry whole)."""
@@ -109,6 +129,9 @@ class RequestBook:
         reason = out.finish_reason or "abort"
         request.open_choices -= 1
         request.used += out.num_output_tokens
+        if request.trace is not None:
+            choice = {"index": out.index, "reason": reason, "tokens": out.num_output_tokens}
+            request.trace.phase_events().append(("finished", now, choice))
         if request.open_choices == 0:  # the other choices' finals came before
             del self.tracked[out.request_id]
             self.unscheduled.discard(out.request_id)
@@ -127,6 +150,18 @@ class RequestBook:
         self.outbox.acks.append(request.entry)
         self._refund(request, out.num_prompt_tokens + request.used)
         self.metrics.finished(reason, out.num_prompt_tokens, now - request.enqueue_time)
+        self._end_trace(
+            out.request_id,
+            request,
+            now,
+            reason,
+            error_type,
+            **{
+                "gen_ai.usage.input_tokens": out.num_prompt_tokens,
+                "gen_ai.usage.output_tokens": request.used,
+                "jitney.usage.cached_tokens": out.num_cached_tokens,
+            },
+        )
         logger.debug(
             "request_finished %s",
             kv(request=out.request_id, reason=reason, completion_tokens=out.num_output_tokens),
@@ -153,12 +188,30 @@ class RequestBook:
         self.outbox.acks.append(request.entry)
         self._refund(request, 0)
         self.metrics.finished(reason, 0, None)
+        self._end_trace(request_id, request, time.monotonic(), reason, error_type)
         logger.debug("request_dropped %s", kv(request=request_id, reason=reason))
+
+    def _end_trace(
+        self,
+        request_id: str,
+        request: TrackedRequest,
+        now: float,
+        reason: str,
+        error_type: str | None = None,
+        **attributes: object,
+    ) -> None:
+        if self.traces is not None and request.trace is not None:
+            if error_type is not None:
+                attributes["error.type"] = error_type
+            self.traces.end(request_id, request.trace, now, reason, **attributes)
+            request.trace = None
 
     def _send_output(self, out: RequestOutput, request: TrackedRequest, **final: object) -> None:
         """One engine output as a reply: its tokens, text and log-probs (and `final` fields)."""
         if out.prompt_logprobs is not None:
             final["prompt_logprobs"] = wire_logprobs(out.prompt_logprobs)
+        if out.embedding is not None:
+            final["embedding"] = pack_vector(out.embedding.tolist())
         logprobs = wire_logprobs(out.logprobs)
         self._send(
             out.request_id,

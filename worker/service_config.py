@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.queue.placement import PLACEMENT_DEFAULT, STEAL_AFTER_MS
 from protocol.sampling_defaults import SamplingDefaults
 from worker import generation_defaults
 
@@ -21,6 +22,11 @@ class ServiceConfig:
     # object whose keys win (worker.generation_defaults).
     generation_config: str = generation_defaults.AUTO
     override_generation_config: str = ""
+    # Prefix-aware placement (protocol/queue/placement.py): publish a summary of the prefix
+    # cache, read this worker's own streams, and take others' entries their owner has not read
+    # within `placement_steal_ms`.
+    prefix_placement: bool = PLACEMENT_DEFAULT
+    placement_steal_ms: int = STEAL_AFTER_MS
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -33,6 +39,10 @@ class ServiceConfig:
             raise ValueError(
                 f"stall_timeout ({self.stall_timeout_s} s) must exceed the idle block "
                 f"({self.idle_block_ms} ms): an idle worker would look hung"
+            )
+        if not 10 <= self.placement_steal_ms <= 600_000:
+            raise ValueError(
+                f"placement_steal_ms must be in [10, 600000], got {self.placement_steal_ms}"
             )
         # Refused now, not after a minute of loading the model.
         generation_defaults.check_choice(self.generation_config)

@@ -2,7 +2,7 @@
 
     w = Q4_1Weights.from_gguf_blocks(tensor.data, (n, k))   # packs; builds the C++ kernels once
     y = w.linear(x)                                         # x float32 [..., k] -> [..., n]
-    kernel_backend()                                        # "avx2" or "reference", and why
+    kernel_backend()                                        # "native" or "reference", and why
 
 The ops (`torch.ops.jitney.*`, opaque to torch.compile) are in ops.py, their pure-torch
 definition in reference.py, the C++ in csrc/quant_linear.cpp, its build and cache in build.py.

@@ -9,10 +9,16 @@ directory, and the finished library is moved into place with one atomic rename.
 Where the build is impossible (not x86-64, no AVX2, no compiler or ninja, a failed build) or
 `JITNEY_KERNELS=reference` is set, nothing is built and the ops keep their pure-torch reference
 implementation (engine/kernels/reference.py); `kernel_backend()` says which and why.
+
+One library serves every x86-64 CPU: the AVX-512 and AMX kernels are compiled beside the AVX2
+ones (under a target pragma) and the library picks the highest instruction set the CPU has when
+it loads (csrc/cpu_isa.cpp). `JITNEY_KERNEL_ISA=avx2|avx512|amx` caps it; `set_isa()` changes
+the cap in a running process (the tests run every path a machine has).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -28,8 +34,19 @@ import torch
 
 LIBRARY_NAME = "jitney_quant_kernels"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / f for f in ("quant_linear.cpp", "layer_ops.cpp", "decode_layers.cpp"))
-HEADERS = (CSRC / "blocks.h", CSRC / "ops.h")  # included: part of the hash too
+_SOURCE_NAMES = (
+    "cpu_isa",
+    "quant_linear",
+    "quant_avx512",
+    "layer_ops",
+    "attention_avx512",
+    "decode_layers",
+    "sampling",
+)
+SOURCES = tuple(CSRC / f"{name}.cpp" for name in _SOURCE_NAMES)
+ISAS = ("avx2", "avx512", "amx")  # csrc/blocks.h's Isa, in order
+# Included by the sources: part of the hash too.
+HEADERS = tuple(CSRC / h for h in ("blocks.h", "ops.h", "vec_avx2.h", "attention.h"))
 # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, it runs on one thread. The
 # library then shares torch's own libgomp (same soname, already loaded), so one thread pool.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
@@ -43,13 +60,38 @@ CACHE_ENV = "JITNEY_CACHE_DIR"
 class KernelBackend:
     """Which implementation serves the jitney:: ops in this process."""
 
-    name: str  # "avx2" (the C++ library) or "reference" (pure torch)
+    name: str  # "native" (the C++ library) or "reference" (pure torch)
     reason: str  # why this one: "built in 41.2 s", "loaded from cache", "no AVX2 ..."
     library_path: Path | None = None
 
     @property
     def is_native(self) -> bool:
-        return self.name == "avx2"
+        return self.name == "native"
+
+    @property
+    def best_isa(self) -> str | None:
+        """The highest instruction set this CPU gives the kernels (None: the reference)."""
+        return ISAS[self._library().jitney_best_isa()] if self.is_native else None
+
+    @property
+    def isa(self) -> str | None:
+        """The instruction set the kernels use now (None: the reference)."""
+        return ISAS[self._library().jitney_active_isa()] if self.is_native else None
+
+    def available_isas(self) -> tuple[str, ...]:
+        """Every instruction set this CPU gives the kernels, lowest first (none: the reference)."""
+        best = self.best_isa
+        return () if best is None else ISAS[: ISAS.index(best) + 1]
+
+    def set_isa(self, isa: str) -> str | None:
+        """Use at most `isa` (never more than the CPU has); returns the one now in use."""
+        if not self.is_native:
+            return None
+        return ISAS[self._library().jitney_set_isa(ISAS.index(isa))]
+
+    def _library(self) -> ctypes.CDLL:
+        # The same shared object torch loaded (dlopen returns the loaded handle).
+        return ctypes.CDLL(str(self.library_path))
 
 
 def kernels_cache_dir() -> Path:
@@ -108,7 +150,7 @@ def load_native() -> KernelBackend:
                 logger.info("building Jitney's CPU kernels once, into %s", target_dir)
                 how = f"built in {_build_into(library):.1f} s"
                 logger.info("CPU kernels %s", how)
-                return KernelBackend("avx2", how, library)  # the build already loaded it
+                return KernelBackend("native", how, library)  # the build already loaded it
         torch.ops.load_library(str(library))
     except Exception as exc:  # a failed build must leave the engine running, on the reference
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
@@ -118,7 +160,7 @@ def load_native() -> KernelBackend:
         reason = f"the C++ kernels failed to build or load: {error}{where}"
         logger.warning("%s (the pure-torch reference runs instead)", reason)
         return KernelBackend("reference", reason)
-    return KernelBackend("avx2", how, library)
+    return KernelBackend("native", how, library)
 
 
 def _build_into(library: Path) -> float:

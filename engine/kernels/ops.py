@@ -3,12 +3,14 @@
 Each op is defined here once. Its pure-torch reference is registered for every device
 (CompositeExplicitAutograd); the C++ library, when `ensure_backend()` manages to load it, adds a
 CPU kernel, which the dispatcher prefers. The linears serve the quantized layers
-(engine/layers/quantized.py); the rest are the per-layer steps of Jitney's CPU forward
-(engine/models/llama.py) and its in-place decode attention (engine/attention/paged_attention.py).
+(engine/layers/quantized.py); argmax_rows and sample_rows the sampler (engine/sampler.py); the
+rest are the per-layer steps of Jitney's CPU forward (engine/models/llama.py) and its in-place
+decode attention (engine/attention/paged_attention.py).
 The fake implementations give torch.compile the output shapes, so the ops stay opaque (one node
-each) in a compiled graph. `panel_min_tokens` is the
-token count from which a linear dequantizes panels of rows for sgemm instead of running the fused
-kernel (engine/kernels/packed_weights.py holds the measured defaults).
+each) in a compiled graph. `batched_min_tokens` is the token count from which a linear runs its
+batched path (AMX tiles, or dequantized panels and sgemm) instead of the one-pass kernel that
+streams the weights once for a few tokens; 0 leaves the choice to the kernels, whose crossovers
+were measured per instruction set (engine/kernels/csrc/quant_linear.cpp).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from engine.kernels.build import KernelBackend, load_native
 # name -> schema without the name. The linears and the embedding make new tensors; a name
 # ending in "_" also writes into the arguments marked (a!)/(b!), as torch's in-place ops do.
 SCHEMAS = {
-    "q4_1_linear": "(Tensor x, Tensor qs, Tensor d, Tensor m, int panel_min_tokens) -> Tensor",
-    "q8_0_linear": "(Tensor x, Tensor qs, Tensor d, int panel_min_tokens) -> Tensor",
-    "q8_0_embedding": "(Tensor ids, Tensor qs, Tensor d) -> Tensor",
+    "quant_linear": (
+        "(Tensor x, Tensor blocks, int kind, int rows, int batched_min_tokens) -> Tensor"
+    ),
+    "q8_0_embedding": "(Tensor ids, Tensor blocks, int rows) -> Tensor",
+    "argmax_rows": "(Tensor x) -> Tensor",
+    "sample_rows": "(Tensor x, Tensor top_k, Tensor top_p, Tensor u) -> Tensor",
     "rms_norm": "(Tensor x, Tensor w, float eps) -> Tensor",
     "add_rms_norm_": "(Tensor(a!) x, Tensor r, Tensor w, float eps) -> Tensor",
     "silu_mul": "(Tensor gu) -> Tensor",
@@ -52,19 +57,24 @@ for _name, _schema in SCHEMAS.items():
     _LIB.impl(_name, getattr(reference, _name), "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("jitney::q4_1_linear")
-def _q4_1_linear_fake(x, qs, d, m, panel_min_tokens):
-    return x.new_empty(x.shape[0], qs.shape[0])
-
-
-@torch.library.register_fake("jitney::q8_0_linear")
-def _q8_0_linear_fake(x, qs, d, panel_min_tokens):
-    return x.new_empty(x.shape[0], qs.shape[0])
+@torch.library.register_fake("jitney::quant_linear")
+def _quant_linear_fake(x, blocks, kind, rows, batched_min_tokens):
+    return x.new_empty(x.shape[0], rows)
 
 
 @torch.library.register_fake("jitney::q8_0_embedding")
-def _q8_0_embedding_fake(ids, qs, d):
-    return d.new_empty(*ids.shape, qs.shape[1])
+def _q8_0_embedding_fake(ids, blocks, rows):
+    return torch.empty(*ids.shape, blocks.shape[1] * 32, device=blocks.device)
+
+
+@torch.library.register_fake("jitney::argmax_rows")
+def _argmax_rows_fake(x):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
+
+
+@torch.library.register_fake("jitney::sample_rows")
+def _sample_rows_fake(x, top_k, top_p, u):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
 
 
 @torch.library.register_fake("jitney::rms_norm")

@@ -1,49 +1,148 @@
 """The jitney:: ops in pure torch: the quantized linears dequantize to float32, then F.linear /
 indexing; the layer ops are the few torch ops each stands for.
 
-The fallback where the C++ kernels cannot be built, and the definition of what they compute. The
-packed layout is engine/kernels/csrc/quant_linear.cpp's (qs per row, d and m float32 [N, K/32]).
-Dequantizing is bit-exact with gguf's `dequantize`: d*q is exact in float32 and `+ m` rounds once.
+The fallback where the C++ kernels cannot be built, and the definition of what they compute,
+including the packed layout (`pack` / `unpack`; engine/kernels/csrc/blocks.h reads the same
+bytes). Dequantizing is bit-exact with gguf's `dequantize`: d*q is exact in float32 and `+ m`
+rounds once.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 BLOCK = 32  # weights per block, along the input dimension
+GROUP = 16  # rows per record: one row per lane of a 16-float vector
+MATRIX_KINDS = ("Q4_1", "Q8_0")  # a matrix's kind in the ops' `kind` argument: its index here
+# A record: one block of GROUP rows. Q4_1: 16 element pairs x 16 rows, one byte each (the pair's
+# even element in the low nibble, the odd one in the high), then d and m as f16 [16] each. Q8_0:
+# 32 elements x 16 rows of int8, then d as f16 [16].
+RECORD_BYTES = {"Q4_1": GROUP * BLOCK // 2 + 2 * 2 * GROUP, "Q8_0": GROUP * BLOCK + 2 * GROUP}
 
 
-def q4_1_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 nibbles + d, m [N, K/32] -> float32 [N, K]."""
-    n, nb = d.shape
-    nibbles = qs.view(n, nb, BLOCK // 2)
-    # ggml's order: byte j of a block holds element j (low nibble) and element j + 16 (high).
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).to(torch.float32)
-    return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, nb * BLOCK)
+class RowBlocks(NamedTuple):
+    """A quantized matrix by rows, as a GGUF file holds it: quants q [N, K] (Q4_1: uint8 0..15,
+    Q8_0: int8), scales d [N, K/32] float16, minimums m [N, K/32] float16 (Q4_1) or None."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
 
 
-def q8_0_dequantize(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """[N, K] int8 + d [N, K/32] -> float32 [N, K]."""
-    n, nb = d.shape
-    return (qs.view(n, nb, BLOCK).to(torch.float32) * d.unsqueeze(-1)).view(n, nb * BLOCK)
+def pack(rb: RowBlocks, kind: str) -> torch.Tensor:
+    """RowBlocks -> uint8 [G, K/32, RECORD_BYTES[kind]] (rows padded with zeros to whole groups)."""
+    n, k = rb.q.shape
+    groups, nb = -(-n // GROUP), k // BLOCK
+    pad = groups * GROUP - n
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [G, 16, ...], zero padded
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).view(groups, GROUP, *t.shape[1:])
+
+    # [G, 16 rows, NB, 32 elements] -> [G, NB, 32 elements, 16 rows]
+    q = grouped(rb.q.contiguous().view(torch.uint8)).view(groups, GROUP, nb, BLOCK)
+    q = q.permute(0, 2, 3, 1)
+    if kind == "Q4_1":
+        q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)  # [G, NB, 16 pairs, 16 rows]
+    scales = [rb.d] if kind == "Q8_0" else [rb.d, rb.m]
+    parts = [q.reshape(groups, nb, -1)]
+    for s in scales:  # [N, NB] f16 -> [G, NB, 16 rows] -> bytes
+        g = grouped(s.to(torch.float16)).permute(0, 2, 1).contiguous()
+        parts.append(g.view(torch.uint8).view(groups, nb, 2 * GROUP))
+    return torch.cat(parts, dim=-1).contiguous()
 
 
-def q4_1_linear(
-    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, panel_min_tokens: int
+def unpack(blocks: torch.Tensor, kind: str, rows: int) -> RowBlocks:
+    """pack's inverse: the first `rows` rows."""
+    groups, nb, _ = blocks.shape
+    qbytes = GROUP * BLOCK // 2 if kind == "Q4_1" else GROUP * BLOCK
+    q = blocks[..., :qbytes]
+    if kind == "Q4_1":
+        pairs = q.reshape(groups, nb, BLOCK // 2, GROUP)
+        q = torch.stack([pairs & 0x0F, pairs >> 4], dim=3)  # [G, NB, 16, 2, 16]
+    q = q.reshape(groups, nb, BLOCK, GROUP).permute(0, 3, 1, 2).reshape(groups * GROUP, -1)
+    if kind == "Q8_0":
+        q = q.view(torch.int8)
+
+    def scale(i: int) -> torch.Tensor:  # -> [N, NB] float16
+        raw = blocks[..., qbytes + 2 * GROUP * i : qbytes + 2 * GROUP * (i + 1)].contiguous()
+        return raw.view(torch.float16).permute(0, 2, 1).reshape(groups * GROUP, nb)[:rows]
+
+    return RowBlocks(q[:rows].contiguous(), scale(0), scale(1) if kind == "Q4_1" else None)
+
+
+def dequantize(blocks: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """float32 [rows, K]: d*q + m per block (Q8_0: d*q)."""
+    q, d, m = unpack(blocks, kind, rows)
+    n, k = q.shape
+    w = q.view(n, k // BLOCK, BLOCK).to(torch.float32) * d.float().unsqueeze(-1)
+    if m is not None:
+        w = w + m.float().unsqueeze(-1)
+    return w.view(n, k)
+
+
+def quant_linear(
+    x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, batched_min_tokens: int
 ) -> torch.Tensor:
-    return F.linear(x, q4_1_dequantize(qs, d, m))
+    return F.linear(x, dequantize(blocks, MATRIX_KINDS[kind], rows))
 
 
-def q8_0_linear(
-    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, panel_min_tokens: int
-) -> torch.Tensor:
-    return F.linear(x, q8_0_dequantize(qs, d))
-
-
-def q8_0_embedding(ids: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def q8_0_embedding(ids: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
     flat = ids.reshape(-1).long()
-    return q8_0_dequantize(qs[flat], d[flat]).view(*ids.shape, qs.shape[1])
+    if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < rows):
+        raise IndexError(f"q8_0_embedding: ids out of range [0, {rows})")
+    table = dequantize(blocks, "Q8_0", rows)
+    return table[flat].view(*ids.shape, table.shape[1])
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> int64 [N]: each row's first largest value (NaN counting as largest)."""
+    return x.argmax(dim=-1)
+
+
+def sample_rows(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """[N, V] logits (temperature applied) -> int64 [N]: each row's top-k cut (0: none), then
+    its top-p cut (>= 1: none), and the first token whose cumulative mass exceeds u times the
+    kept mass (u in [0, 1), one per row)."""
+    vocab = x.shape[1]
+    cut_k = (top_k > 0) & (top_k < vocab)
+    cut_p = top_p < 1
+    x = x.clone()
+    # Rows with a top-k cut need only their k largest logits; top-p alone needs a full sort.
+    for rows in ((cut_k).nonzero().flatten(), (cut_p & ~cut_k).nonzero().flatten()):
+        if rows.numel():
+            x[rows] = _cut(x[rows], top_k[rows], top_p[rows])
+    cdf = x.softmax(dim=-1).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the first token whose mass exceeds it has p > 0.
+    target = torch.minimum(u.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _cut(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows of logits with cut tokens at -inf. top-k keeps the k largest, top-p then the fewest
+    of those, largest first, whose mass reaches top_p (the top token always stays). The cut is
+    a logit threshold, so tokens tied with the last one kept stay too, and the sort order of
+    ties does not matter."""
+    vocab = x.shape[1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab) - 1  # the k-th largest's index
+    largest = int(k.max()) + 1
+    if largest < vocab:
+        ordered = x.topk(largest, dim=-1).values
+    else:
+        ordered = x.sort(dim=-1, descending=True).values
+    kth = ordered.gather(1, k.unsqueeze(1))
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    # top_p 1 is no cut: float mass can reach 1 before the last tokens and must not drop them.
+    mass = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf"))).unsqueeze(1)
+    keep = (probs.cumsum(dim=-1) - probs < mass) & (ordered > float("-inf"))
+    threshold = ordered.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    return x.masked_fill(x < threshold, float("-inf"))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,30 +221,25 @@ def paged_decode_(
 # llama_decode_layers_'s per-layer tensors: four vectors, then four matrices of four tensors.
 DECODE_LAYER_VECTORS = ("input_norm", "post_norm", "q_norm", "k_norm")
 DECODE_LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
-DECODE_MATRIX_TENSORS = ("qs", "d", "m", "bias")  # empty tensors where absent
+DECODE_MATRIX_TENSORS = ("blocks", "bias")  # an empty bias where absent
 TENSORS_PER_DECODE_LAYER = len(DECODE_LAYER_VECTORS) + 4 * len(DECODE_MATRIX_TENSORS)
-MATRIX_KINDS = ("Q4_1", "Q8_0")  # a matrix's kind in `matrices`: its index here
+DECODE_MATRIX_INTS = ("kind", "rows", "batched_min_tokens")  # per matrix, in `matrices`
 
 
 def _present(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.numel() else None
 
 
-def _kind_linear(
-    x: torch.Tensor, parts: list[torch.Tensor], kind: int, panel_min_tokens: int
-) -> torch.Tensor:
-    qs, d, m, bias = parts
-    if kind == 0:
-        y = q4_1_linear(x, qs, d, m, panel_min_tokens)
-    else:
-        y = q8_0_linear(x, qs, d, panel_min_tokens)
+def _kind_linear(x: torch.Tensor, parts: list[torch.Tensor], ints: list[int]) -> torch.Tensor:
+    blocks, bias = parts
+    y = quant_linear(x, blocks, *ints)
     return y if bias.numel() == 0 else y + bias
 
 
 def llama_decode_layers_(
     x: torch.Tensor,  # [T, hidden]: the residual stream, updated in place
     tensors: list[torch.Tensor],  # TENSORS_PER_DECODE_LAYER per layer
-    matrices: list[int],  # per layer and matrix: (kind, panel_min_tokens)
+    matrices: list[int],  # per layer and matrix: DECODE_MATRIX_INTS
     cos: torch.Tensor,  # [T, D]
     sin: torch.Tensor,
     slots: torch.Tensor,  # [T]
@@ -160,14 +254,16 @@ def llama_decode_layers_(
     """Every decoder layer of a decode-only step: the fused forward's layers, op for op."""
     num_tokens, per = x.shape[0], TENSORS_PER_DECODE_LAYER
     head_dim = kv.shape[-1]
+    nt, ni = len(DECODE_MATRIX_TENSORS), len(DECODE_MATRIX_INTS)
     h = rms_norm(x, tensors[0], eps)
     for layer, window in enumerate(windows):
         t = tensors[layer * per : (layer + 1) * per]
-        mats = [t[4 + 4 * i : 8 + 4 * i] for i in range(4)]
-        info = matrices[layer * 8 : (layer + 1) * 8]
+        mats = [t[4 + nt * i : 4 + nt * (i + 1)] for i in range(4)]
+        info = matrices[layer * 4 * ni : (layer + 1) * 4 * ni]
+        ints = [info[ni * i : ni * (i + 1)] for i in range(4)]
         key_cache, value_cache = kv[layer, 0], kv[layer, 1]
         slots_view = (-1, num_kv_heads, head_dim)
-        qkv = _kind_linear(h, mats[0], info[0], info[1])
+        qkv = _kind_linear(h, mats[0], ints[0])
         qk = rope_write_kv_(
             qkv, cos, sin, slots, key_cache.view(slots_view), value_cache.view(slots_view),
             num_heads, num_kv_heads, _present(t[2]), _present(t[3]), eps,
@@ -177,9 +273,9 @@ def llama_decode_layers_(
             qk[:, :num_heads], key_cache, value_cache, block_tables, ctx_lens,
             head_dim**-0.5, window, attn,
         )  # fmt: skip
-        o = _kind_linear(attn.view(num_tokens, -1), mats[1], info[2], info[3])
+        o = _kind_linear(attn.view(num_tokens, -1), mats[1], ints[1])
         h = add_rms_norm_(x, o, t[1], eps)
-        r = _kind_linear(silu_mul(_kind_linear(h, mats[2], info[4], info[5])), mats[3], *info[6:])
+        r = _kind_linear(silu_mul(_kind_linear(h, mats[2], ints[2])), mats[3], ints[3])
         if layer + 1 < len(windows):
             h = add_rms_norm_(x, r, tensors[(layer + 1) * per], eps)
         else:

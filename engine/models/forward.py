@@ -6,6 +6,9 @@ same pool and reads the same step inputs, so attention, KV sizing, CUDA graphs a
 tests serve them all. Today's is `TransformersForward`: a stock transformers decoder with its
 attention switched to Jitney's (engine/attention/paged_attention.py); the runner picks it in
 `engine.runner.model_runner.model_forward_for`.
+
+Pooling (embeddings, engine/pooling.py) needs more than logits: `with_hidden` runs the same
+step and also returns the final-norm hidden states of the rows it names.
 """
 
 from __future__ import annotations
@@ -33,6 +36,18 @@ class ModelForward(Protocol):
         before the kernels finish)."""
         ...
 
+    def with_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        hidden_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits as the call returns them, and the hidden states after the model's final
+        norm ``[H, hidden]`` of rows ``hidden_rows`` [H] of T (what a pooling request needs)."""
+        ...
+
 
 class TransformersForward:
     """A transformers causal LM on the paged attention (switched over once, here)."""
@@ -49,6 +64,30 @@ class TransformersForward:
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
         return model_forward(self.model, input_ids, positions, metadata, kv_cache)
+
+    def with_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        hidden_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's own output is the final-norm hidden states of every row (the causal
+        LM then slices the rows it wants logits of): kept by a hook for this call only, so
+        the logits are computed exactly as in a plain step, whatever the model's head does."""
+        kept: list[torch.Tensor] = []
+
+        def keep(module: torch.nn.Module, args: object, output: object) -> None:
+            kept.append(output[0])  # type: ignore[index]  # last_hidden_state [1, T, hidden]
+
+        handle = self.model.get_decoder().register_forward_hook(keep)
+        try:
+            logits = model_forward(self.model, input_ids, positions, metadata, kv_cache)
+        finally:
+            handle.remove()
+        with torch.inference_mode():
+            return logits, kept[0][0, hidden_rows]
 
 
 _LOGITS_TO_KEEP: dict[type, bool] = {}

@@ -23,20 +23,23 @@ parity tests compare the two on the same weights.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention.paged_attention import attend, paged_attention_forward
 from engine.attention.step_inputs import AttentionMetadata
-from engine.kernels import Q4_1Weights, Q8_0Weights
 from engine.kernels.reference import MATRIX_KINDS
 from engine.kv_cache import PagedKVCache
 from engine.layers.quantized import QuantizedLinear
+from engine.models.llama_layer import (
+    EAGER_STEPS,
+    LlamaLayer,
+    LlamaShape,
+    compiled_steps,
+    rms_norm,
+)
 from engine.models.weight_sources import StateDictWeights, WeightSource
 
 # transformers model_type values this forward covers (each checked against its transformers
@@ -49,24 +52,6 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 class UnsupportedArchitectureError(ValueError):
     """A model Jitney's own forward does not cover (`--model-impl jitney` refuses it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LlamaShape:
-    """What the forward needs to know of a checkpoint's architecture."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
-
-    @property
-    def qkv_sizes(self) -> tuple[int, int, int]:
-        kv = self.num_kv_heads * self.head_dim
-        return self.num_heads * self.head_dim, kv, kv
 
 
 def unsupported_because(config: Any) -> str | None:
@@ -134,129 +119,13 @@ class Rotary(nn.Module):
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] rotated by each token's angles: x cos + rotate_half(x) sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: the statistics in float32, the weight applied in the input's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class _AttentionSite:
-    """What the shared paged attention function reads of the layer calling it."""
-
-    layer_idx: int
-    sliding_window: int | None
-
-
-class LlamaLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, index: int, weights: WeightSource, prefix: str):
-        super().__init__()
-        self.shape = shape
-        self.site = _AttentionSite(index, shape.windows[index])
-        attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
-        self.qkv = weights.linear([f"{attn}{p}_proj" for p in "qkv"])
-        self.o = weights.linear([f"{attn}o_proj"])
-        self.gate_up = weights.linear([f"{mlp}gate_proj", f"{mlp}up_proj"])
-        self.down = weights.linear([f"{mlp}down_proj"])
-        self.input_norm = nn.Parameter(weights.vector(f"{prefix}input_layernorm.weight"), False)
-        self.post_norm = nn.Parameter(
-            weights.vector(f"{prefix}post_attention_layernorm.weight"), False
-        )
-        # Qwen3: an RMSNorm over each head of Q and K.
-        q_norm, k_norm = (weights.optional_vector(f"{attn}{p}_norm.weight") for p in "qk")
-        self.q_norm = None if q_norm is None else nn.Parameter(q_norm, False)
-        self.k_norm = None if k_norm is None else nn.Parameter(k_norm, False)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden], updated in place
-        cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: PagedKVCache,
-    ) -> torch.Tensor:
-        s = self.shape
-        num_tokens = x.shape[0]
-        h = _rms_norm(x, self.input_norm, s.rms_norm_eps)
-        q, k, v = self.qkv(h).split(s.qkv_sizes, dim=-1)
-        q = q.view(num_tokens, s.num_heads, s.head_dim)
-        k = k.view(num_tokens, s.num_kv_heads, s.head_dim)
-        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = _rms_norm(q, self.q_norm, s.rms_norm_eps)
-            k = _rms_norm(k, self.k_norm, s.rms_norm_eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        # The shared attention takes transformers' [1, heads, T, d] layout: views, no copies.
-        out, _ = paged_attention_forward(
-            self.site,  # type: ignore[arg-type]
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            None,
-            s.head_dim**-0.5,
-            attn_metadata=meta,
-            kv_cache=kv_cache,
-            sliding_window=self.site.sliding_window,
-        )
-        x = x + self.o(out.view(num_tokens, s.num_heads * s.head_dim))
-        h = _rms_norm(x, self.post_norm, s.rms_norm_eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-    def attention_fused(
-        self,
-        h: torch.Tensor,  # [T, hidden], the normed residual
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: PagedKVCache,
-    ) -> torch.Tensor:
-        """The attention block through the jitney:: ops: its output projection, [T, hidden]."""
-        s, layer = self.shape, self.site.layer_idx
-        num_tokens = h.shape[0]
-        qkv = self.qkv(h)
-        qk = torch.ops.jitney.rope_write_kv_(
-            qkv,
-            cos,
-            sin,
-            meta.slot_mapping,
-            kv_cache.key_slots[layer],
-            kv_cache.value_slots[layer],
-            s.num_heads,
-            s.num_kv_heads,
-            self.q_norm,
-            self.k_norm,
-            s.rms_norm_eps,
-        )
-        v = qkv.view(num_tokens, -1, s.head_dim)[:, s.num_heads + s.num_kv_heads :]
-        out = attend(
-            meta,
-            kv_cache,
-            layer,
-            qk[:, : s.num_heads],
-            qk[:, s.num_heads :],
-            v,
-            s.head_dim**-0.5,
-            self.site.sliding_window,
-        )
-        return self.o(out.view(num_tokens, s.num_heads * s.head_dim))
-
-    def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.ops.jitney.silu_mul(self.gate_up(h)))
-
-
 class LlamaForward(nn.Module):
     """A Llama-family decoder as one `ModelForward` (engine/models/forward.py): packed ids in,
     logits of the metadata's rows out."""
 
-    def __init__(self, config: Any, weights: WeightSource, fused_ops: bool = False):
+    def __init__(
+        self, config: Any, weights: WeightSource, fused_ops: bool = False, compiled: bool = False
+    ):
         super().__init__()
         why = unsupported_because(config)
         if why is not None:
@@ -286,6 +155,9 @@ class LlamaForward(nn.Module):
         if fused_ops and self.dtype != torch.float32:
             raise ValueError(f"the jitney:: layer ops run in float32, not {self.dtype}")
         self.fused_ops = fused_ops
+        if compiled and fused_ops:
+            raise ValueError("--compile runs the dense forward; the quantized path's steps are C++")
+        self.steps = compiled_steps() if compiled else EAGER_STEPS
         # What llama_decode_layers_ takes (every layer of a decode-only step in one C++ call):
         # built once; None where a layer is not quantized throughout (a dense fallback).
         self._decode_layers = _decode_layer_tensors(self.layers) if fused_ops else None
@@ -296,9 +168,11 @@ class LlamaForward(nn.Module):
         positions: torch.Tensor | None,
         metadata: AttentionMetadata,
         kv_cache: PagedKVCache,
-    ) -> torch.Tensor:
+        hidden_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``input_ids``/``positions`` [T] (or [1, T]; positions None = the metadata's).
-        Returns logits ``[S, vocab]`` for ``metadata.logits_indices`` only."""
+        Returns logits ``[S, vocab]`` for ``metadata.logits_indices`` only; with `hidden_rows`
+        (`with_hidden`), also the final-norm hidden states of those rows."""
         pos = (metadata.positions if positions is None else positions).reshape(-1)
         with torch.inference_mode():
             x = self.embed(input_ids.reshape(-1))
@@ -307,9 +181,27 @@ class LlamaForward(nn.Module):
                 x = self._layers_fused(x, cos.squeeze(1), sin.squeeze(1), metadata, kv_cache)
             else:
                 for layer in self.layers:
-                    x = layer(x, cos, sin, metadata, kv_cache)
-            x = _rms_norm(x[metadata.logits_indices], self.norm, self.shape.rms_norm_eps)
-            return self.lm_head(x)
+                    x = layer(x, cos, sin, metadata, kv_cache, self.steps)
+            rows = metadata.logits_indices
+            if hidden_rows is None:
+                return self.lm_head(rms_norm(x[rows], self.norm, self.shape.rms_norm_eps))
+            # One final norm over both sets of rows (row-wise: each row as it would be alone).
+            x = rms_norm(x[torch.cat((rows, hidden_rows))], self.norm, self.shape.rms_norm_eps)
+            return self.lm_head(x[: rows.numel()]), x[rows.numel() :]
+
+    def with_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        hidden_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ModelForward.with_hidden: the logits, and the final-norm hidden states of rows
+        `hidden_rows` of T (pooling)."""
+        out = self(input_ids, positions, metadata, kv_cache, hidden_rows)
+        assert isinstance(out, tuple)
+        return out
 
     def _layers_fused(
         self,
@@ -358,11 +250,12 @@ class LlamaForward(nn.Module):
         return x
 
     @classmethod
-    def from_transformers(cls, model: nn.Module) -> LlamaForward:
+    def from_transformers(cls, model: nn.Module, compiled: bool = False) -> LlamaForward:
         """The same weights as a loaded transformers model, in its dtype, held once: the fused
         projections are new tensors, and the transformers model's own Q/K/V and gate/up
         parameters become views of them (same values), so the reference still runs."""
-        return cls(model.config, StateDictWeights(dict(model.named_parameters()), share=True))
+        weights = StateDictWeights(dict(model.named_parameters()), share=True)
+        return cls(model.config, weights, compiled=compiled)
 
 
 def _decode_only(meta: AttentionMetadata, kv_cache: PagedKVCache, num_tokens: int) -> bool:
@@ -388,10 +281,6 @@ def _decode_layer_tensors(
             if not isinstance(linear, QuantizedLinear):
                 return None
             w = linear.weights
-            m = w.m if isinstance(w, Q4_1Weights) else empty
-            bias = empty if linear.bias is None else linear.bias
-            tensors += [w.qs, w.d, m, bias]
-            kind = "Q4_1" if isinstance(w, Q4_1Weights) else "Q8_0"
-            assert isinstance(w, Q4_1Weights | Q8_0Weights)
-            matrices += [MATRIX_KINDS.index(kind), w.panel_min_tokens]
+            tensors += [w.blocks, empty if linear.bias is None else linear.bias]
+            matrices += [MATRIX_KINDS.index(w.kind), w.rows, w.batched_min_tokens]
     return tensors, matrices

@@ -1,12 +1,16 @@
 """The aiohttp application: its routes and middleware, and what starts and stops with it.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (gateway.http.completion_routes), the
+Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}:
+gateway.http.responses_routes), the
 Batch API (/v1/files, /v1/batches: gateway.batch.routes; its runner task starts and stops with
-the app), POST /tokenize, POST /detokenize and GET /tokenizer_info (gateway.http.tokenize_routes),
+the app), POST /v1/embeddings (gateway.http.embedding_routes), POST /tokenize, POST /detokenize
+and GET /tokenizer_info (gateway.http.tokenize_routes),
 GET /ui and /ui/events (gateway.http.live_view), GET /v1/models, GET /health (process up, always
 200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503), GET
 /metrics (on the main port, behind auth when keys are configured; or alone on --metrics-port).
-Middleware: gateway.http.middleware. Serving it: gateway.http.server.
+Middleware: gateway.http.middleware (and gateway.http.request_span with tracing on).
+Serving it: gateway.http.server.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from gateway.batch.routes import MULTIPART_OVERHEAD
 from gateway.config import GatewayConfig
 from gateway.http.auth import auth_middleware
 from gateway.http.completion_routes import chat_completions, completions
+from gateway.http.embedding_routes import add_routes as add_embedding_routes
 from gateway.http.live_view import setup_live_view
 from gateway.http.middleware import body_limit, errors_and_metrics
 from gateway.http.ratelimit import RATE_LIMITER, RateLimiter, rate_limit_middleware
+from gateway.http.request_span import request_span_middleware
+from gateway.http.responses_routes import add_routes as add_responses_routes
 from gateway.http.tokenize_routes import add_routes as add_tokenize_routes
 from gateway.serving.gateway_state import Gateway
 from protocol import HEARTBEAT_TTL_S, NOOP_MODEL
@@ -116,6 +123,9 @@ def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Appli
     limiter = RateLimiter(gw.redis, gw.keys, gw.metrics) if config.rate_limited else None
     if limiter is not None:
         middlewares.append(rate_limit_middleware(limiter))
+    request_span = request_span_middleware(config.gateway_id)  # None: tracing off
+    if request_span is not None:  # outermost: its span covers the whole response
+        middlewares.insert(0, request_span)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[GATEWAY] = gw
     if limiter is not None:
@@ -133,6 +143,8 @@ def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Appli
     batch_routes.add_routes(app)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_responses_routes(app)  # POST /v1/responses; GET, DELETE /v1/responses/{id}
+    add_embedding_routes(app)  # POST /v1/embeddings
     add_tokenize_routes(app)  # POST /tokenize, /detokenize; GET /tokenizer_info
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)

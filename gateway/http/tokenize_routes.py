@@ -4,8 +4,8 @@ shapes (at the root, not under /v1/, as vLLM serves them).
 The ids are those a generation request with the same input is given: a prompt goes through
 `ServedModel.encode` (with `add_special_tokens`, the default) as /v1/completions' text prompts
 do, and a chat through `tools.chat_input` + `ServedModel.chat_ids` as /v1/chat/completions'
-messages do. Only the options chat completions never use (no generation prompt, continuing the
-final message, the tokenizer's specials, template kwargs) render the template here.
+messages do, with the options chat completions do not have (no generation prompt, continuing
+the final message, the tokenizer's specials) passed to the same rendering.
 
 lm-evaluation-harness' remote tokenizer (`local-completions` with no local tokenizer) reads
 GET /tokenizer_info (it needs `eos_token`, `bos_token` and `chat_template`, which it renders
@@ -19,7 +19,6 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
-from jinja2 import TemplateError
 
 from gateway.app_state import GATEWAY
 from gateway.http.auth import CLIENT
@@ -105,44 +104,13 @@ async def _token_ids(
     messages, specs = tools.chat_input(
         parsed.template_messages(), parsed.tool_config, model.template_has_tools
     )
-    if parsed.as_chat_completion:
-        return await gw.registry.run(model.chat_ids, messages, specs)
-    return await gw.registry.run(_render_chat, model, messages, specs, parsed)
-
-
-def _render_chat(
-    model: ServedModel,
-    messages: list[dict[str, Any]],
-    specs: list[dict[str, Any]] | None,
-    parsed: TokenizeChat,
-) -> list[int]:
-    """The template with the options chat completions do not use; on the tokenizer thread.
-    apply_chat_template's tokenize=True is render, then encode without specials: the same
-    two steps, with the client's add_special_tokens."""
-    if not model.tokenizer.chat_template:
-        raise bad_request(f"Model {model.name!r} has no chat template.", param="messages")
-    try:
-        text = model.tokenizer.apply_chat_template(
-            messages,
-            tools=specs,
-            add_generation_prompt=parsed.add_generation_prompt,
-            continue_final_message=parsed.continue_final_message,
-            tokenize=False,
-            **parsed.chat_template_kwargs,
-        )
-    except (TemplateError, ValueError) as e:  # the template's (or transformers') own words
-        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise bad_request(
-            f"The model's chat template rejected the messages: {reason}", param="messages"
-        ) from None
-    except (TypeError, ArithmeticError, LookupError, AttributeError):
-        # The client's kwargs misused by the template ({{ n + 1 }} with a string): its
-        # message may quote them, so it is not repeated.
-        raise bad_request(
-            "The model's chat template rejected the messages or 'chat_template_kwargs'.",
-            param="messages",
-        ) from None
-    return list(model.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens))
+    render = partial(
+        model.chat_ids,
+        add_generation_prompt=parsed.add_generation_prompt,
+        continue_final_message=parsed.continue_final_message,
+        add_special_tokens=parsed.add_special_tokens,
+    )
+    return await gw.registry.run(render, messages, specs, parsed.chat_template_kwargs)
 
 
 def _info(model: ServedModel) -> dict[str, Any]:

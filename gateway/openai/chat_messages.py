@@ -1,8 +1,10 @@
 """Chat messages: role + content (text parts joined), a tool result's tool_call_id, an
-assistant's earlier tool_calls; as the chat template gets them (`template_dict`)."""
+assistant's earlier tool_calls and reasoning; as the chat template gets them (`template_dict`).
+And `chat_template_kwargs`, the client's own arguments to the template."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from annotated_types import MinLen
@@ -14,6 +16,7 @@ from gateway.openai.field_types import (
     Text,
     absent_is_null,
     encodable,
+    none_is,
     of_type,
 )
 from gateway.openai.validation import Invalid, expect
@@ -72,7 +75,12 @@ ToolCalls = Annotated[
     expect("must be a list of tool calls"),
 ]
 # The fields a role's message may carry besides role, content and name (others' are not read).
-_ROLE_FIELDS = {"tool": "tool_call_id", "assistant": "tool_calls"}
+# An assistant's reasoning comes back as `reasoning_content` (or vLLM's newer `reasoning`).
+_ROLE_FIELDS = {
+    "tool": ("tool_call_id",),
+    "assistant": ("tool_calls", "reasoning_content", "reasoning"),
+}
+_OWN_FIELDS = frozenset(name for names in _ROLE_FIELDS.values() for name in names)
 
 
 class ChatMessage(BaseModel):
@@ -81,6 +89,8 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_call_id: Text | None = None
     tool_calls: ToolCalls | None = None
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -88,8 +98,8 @@ class ChatMessage(BaseModel):
         if not isinstance(data, dict):
             return data
         role = data.get("role")
-        own = _ROLE_FIELDS.get(role) if isinstance(role, str) else None
-        data = {k: v for k, v in data.items() if k == own or k not in _ROLE_FIELDS.values()}
+        own = _ROLE_FIELDS.get(role, ()) if isinstance(role, str) else ()
+        data = {k: v for k, v in data.items() if k in own or k not in _OWN_FIELDS}
         if role == "assistant" and data.get("content") is None:
             data["content"] = ""  # a reply that was only tool calls
         return data
@@ -106,6 +116,9 @@ class ChatMessage(BaseModel):
                 out[key] = value
         if self.tool_calls is not None:
             out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # as Qwen3's and DeepSeek's templates read it
+            out["reasoning_content"] = reasoning
         return out
 
 
@@ -113,4 +126,46 @@ Messages = Annotated[
     list[Annotated[ChatMessage, expect("must be an object")]],
     MinLen(1),
     expect("must be a non-empty list"),
+]
+
+
+# --- chat_template_kwargs -------------------------------------------------------------------
+
+# apply_chat_template's and the template render's own arguments: a kwarg of the same name
+# would collide with them (a TypeError naming the client's key).
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "messages",
+        "return_dict",
+        "tokenize",
+        "tokenizer_kwargs",
+        "tools",
+    }
+)
+
+
+def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if not RESERVED_TEMPLATE_ARGS.isdisjoint(kwargs):
+        raise Invalid("may not set the template's own arguments (messages, tools, ...)")
+    try:  # rendered into the prompt: text that cannot be encoded would fail the tokenizer
+        json.dumps(kwargs, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise Invalid(SURROGATE) from None
+    except RecursionError:
+        raise Invalid("is nested too deeply") from None
+    return kwargs
+
+
+# The client's arguments to the chat template (`enable_thinking`, `thinking`, ...), as vLLM
+# takes them; null or absent: none.
+TemplateKwargs = Annotated[
+    dict[str, Any],
+    expect("must be an object"),
+    AfterValidator(_template_kwargs),
+    none_is({}),
 ]

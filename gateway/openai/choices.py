@@ -1,6 +1,9 @@
-"""One choice of a response: its replies' token ids become text (and log-probs, echo, tool
-calls), and it remembers how it ended. A request with `n` choices has n of these, each with its
-own detokenizer (stop strings are per choice) and tool-call parser.
+"""One choice of a response: its replies' token ids become text (and log-probs, echo, reasoning,
+tool calls), and it remembers how it ended. A request with `n` choices has n of these, each with
+its own detokenizer (stop strings are per choice), reasoning splitter and tool-call parser.
+
+The text goes through them in that order: the detokenizer's text is split into reasoning and
+content (a model with a reasoning parser), and only the content is read for tool calls.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any
 from gateway.openai.logprobs_format import LogprobsFormatter, merge
 from gateway.openai.tool_parser import ToolCall, ToolStream
 from generation.detokenizer import IncrementalDetokenizer
+from generation.reasoning import ReasoningStream
 from protocol import ReplyMessage
 
 NORMAL_FINISH = frozenset({"stop", "length"})
@@ -32,9 +36,10 @@ class Delta:
     logprobs: dict[str, Any] | None = None
     calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None  # set when the choice ended with this reply
+    reasoning: str = ""  # reasoning text (`text` is then the content)
 
     def __bool__(self) -> bool:
-        return bool(self.text or self.logprobs or self.calls)
+        return bool(self.text or self.reasoning or self.logprobs or self.calls)
 
 
 @dataclass(slots=True)
@@ -43,6 +48,7 @@ class Choice:
     detok: IncrementalDetokenizer
     logprobs: LogprobsFormatter | None = None
     tools: ToolStream | None = None  # parse tool calls out of the text
+    reasoning: ReasoningStream | None = None  # split the text into reasoning and content
     echo: Echo | None = None  # still to send (with the choice's first reply)
     hide_output: bool = False  # max_tokens 0 with echo: the one token generated is not shown
     keep: bool = False  # collect the deltas (a non-streamed response)
@@ -70,11 +76,13 @@ class Choice:
         if self.done:  # ended here by a stop string: what the worker made since is not shown
             return Delta()
         delta = self._echo(prompt_logprobs)
+        texts: list[tuple[str, int]] = []  # each token's text, then what finishing released
         if not self.hide_output:
             self.num_tokens += len(reply.token_ids)
-            delta.text += "".join([self.detok.add(token) for token in reply.token_ids])
+            texts = [(self.detok.add(token), 1) for token in reply.token_ids]
             if reply.finish_reason in NORMAL_FINISH:
-                delta.text += self.detok.finish()
+                texts.append((self.detok.finish(), 0))
+            delta.text += "".join(text for text, _ in texts)
             if self.logprobs is not None and reply.token_ids:
                 part = self.logprobs.part(reply.token_ids, reply.logprobs)
                 delta.logprobs = part if delta.logprobs is None else merge([delta.logprobs, part])
@@ -82,6 +90,7 @@ class Choice:
             self.finish_reason = "stop"
         elif reply.finish_reason in NORMAL_FINISH:
             self.finish_reason = "length" if self.hide_output else reply.finish_reason
+        self._split_reasoning(delta, texts)
         self._parse_calls(delta)
         if self.done:
             delta.finish_reason = self.final_reason
@@ -97,11 +106,22 @@ class Choice:
             return self.num_tokens
         return self.completion_tokens or self.num_tokens
 
+    @property
+    def reasoning_tokens(self) -> int:
+        return 0 if self.reasoning is None else self.reasoning.num_reasoning_tokens
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The whole choice's reasoning (kept deltas): None without a reasoning parser, or
+        when the output had none."""
+        return "".join(d.reasoning for d in self._parts) or None
+
     def result(self) -> tuple[str | None, dict[str, Any] | None, list[ToolCall], str]:
-        """The whole choice (kept deltas): content, logprobs, calls, finish_reason."""
+        """The whole choice (kept deltas): content, logprobs, calls, finish_reason. The content
+        is None when empty beside calls or reasoning."""
         calls = [c for d in self._parts for c in d.calls]
         text: str | None = "".join(d.text for d in self._parts)
-        if calls and not text:
+        if (calls or self.reasoning_text) and not text:
             text = None
         logprobs = None
         if self.logprobs is not None:  # asked for: an empty object when no token came
@@ -124,6 +144,17 @@ class Choice:
         if self.logprobs is not None:
             logprobs = self.logprobs.prompt_part(echo.token_ids, prompt_logprobs, len(echo.text))
         return Delta(echo.text, logprobs)
+
+    def _split_reasoning(self, delta: Delta, texts: list[tuple[str, int]]) -> None:
+        """Reasoning: the text becomes reasoning and content (held-back text waits). Fed a
+        token at a time (text, tokens), so that the stream counts the reasoning's tokens."""
+        if self.reasoning is None:
+            return
+        parts = [self.reasoning.feed(text, n) for text, n in texts]
+        if self.done:
+            parts.append(self.reasoning.finish())
+        delta.reasoning = "".join(r for r, _ in parts)
+        delta.text = "".join(c for _, c in parts)
 
     def _parse_calls(self, delta: Delta) -> None:
         """Tool calls: the text becomes content and calls (held-back text waits)."""

@@ -18,6 +18,7 @@ from pydantic import (
     AfterValidator,
     BeforeValidator,
     Discriminator,
+    Field,
     Strict,
     Tag,
     ValidationInfo,
@@ -25,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.openai.chat_messages import Messages
+from gateway.openai.chat_messages import Messages, TemplateKwargs
 from gateway.openai.field_types import (
     INT64,
     MAX_TOKEN_ID,
@@ -157,6 +158,8 @@ class ChatCompletionRequest(OutputFormatFields, ToolFields, GenerationFields):
     max_tokens: MaxTokens | None = None  # None: the route's default (request_path resolves it)
     logprobs: Flag = False
     top_logprobs: Logprobs | None = None  # alternatives per token, with logprobs: true
+    # vLLM's: arguments to the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod

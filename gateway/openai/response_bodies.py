@@ -17,13 +17,27 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    reasoning_tokens: int | None = None,  # None: no reasoning parser (the detail left out)
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def _reasoning(fields: dict[str, Any], reasoning: str | None) -> None:
+    """A message's or delta's reasoning, under both its names: `reasoning_content` (DeepSeek's
+    API, vLLM before 0.11) and `reasoning` (vLLM's since)."""
+    fields["reasoning_content"] = fields["reasoning"] = reasoning
 
 
 @dataclass(slots=True)
@@ -60,9 +74,12 @@ class Responder:
         finish_reason: str,
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str | None = None,
+        reasoning_parsed: bool = False,
     ) -> dict[str, Any]:
         """One choice of a whole (non-streamed) body. Chat: `text` None is a null content (a
-        reply that is only tool calls)."""
+        reply that is only tool calls, or reasoning); with `reasoning_parsed` (the model has a
+        reasoning parser) the message has its `reasoning`, null when there was none."""
         if self.kind == "completion":
             return {
                 "index": index,
@@ -71,6 +88,8 @@ class Responder:
                 "finish_reason": finish_reason,
             }
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning_parsed:
+            _reasoning(message, reasoning)
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {
@@ -95,13 +114,17 @@ class Responder:
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         """One stream chunk of choice `index`; chat: `tool_calls` are delta entries (index, and
-        id, type and function.name in a call's first one, then function.arguments)."""
+        id, type and function.name in a call's first one, then function.arguments), and
+        `reasoning` its reasoning text (content and reasoning never in one delta)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
+            if reasoning:
+                _reasoning(delta, reasoning)
             if text or role:
                 delta["content"] = text
             if tool_calls:

@@ -8,16 +8,14 @@ vocabulary in the route, which has the model.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, model_validator
+from pydantic import BaseModel, model_validator
 
-from gateway.openai.chat_messages import Messages
+from gateway.openai.chat_messages import Messages, TemplateKwargs
 from gateway.openai.errors import bad_request
 from gateway.openai.field_types import (
     REQUIRED,
-    SURROGATE,
     Boolean,
     Flag,
     Text,
@@ -27,42 +25,9 @@ from gateway.openai.field_types import (
 )
 from gateway.openai.generation_fields import ModelName
 from gateway.openai.tools import ToolFields
-from gateway.openai.validation import Invalid, expect, validate
+from gateway.openai.validation import Invalid, validate
 
-# apply_chat_template's and the template render's own arguments: a kwarg of the same name
-# would collide with them (a TypeError naming the client's key).
-RESERVED_TEMPLATE_ARGS = frozenset(
-    {
-        "add_generation_prompt",
-        "chat_template",
-        "continue_final_message",
-        "conversation",
-        "documents",
-        "messages",
-        "return_dict",
-        "tokenize",
-        "tokenizer_kwargs",
-        "tools",
-    }
-)
 FlagTrue = Annotated[Boolean, none_is(True)]  # null or absent: true
-
-
-def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    if not RESERVED_TEMPLATE_ARGS.isdisjoint(kwargs):
-        raise Invalid("may not set the template's own arguments (messages, tools, ...)")
-    try:  # rendered into the prompt: text that cannot be encoded would fail the tokenizer
-        json.dumps(kwargs, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise Invalid(SURROGATE) from None
-    except RecursionError:
-        raise Invalid("is nested too deeply") from None
-    return kwargs
-
-
-TemplateKwargs = Annotated[
-    dict[str, Any], expect("must be an object"), AfterValidator(_template_kwargs)
-]
 
 
 class TokenizeBody(BaseModel):
@@ -82,7 +47,7 @@ class TokenizeChat(TokenizeBody, ToolFields):
     continue_final_message: Flag = False
     # False: the template writes the special tokens itself (as /v1/chat/completions renders).
     add_special_tokens: Flag = False
-    chat_template_kwargs: Annotated[TemplateKwargs, none_is({})] = {}
+    chat_template_kwargs: TemplateKwargs = {}
 
     @model_validator(mode="after")
     def _one_ending(self) -> TokenizeChat:
@@ -92,16 +57,6 @@ class TokenizeChat(TokenizeBody, ToolFields):
                 field="continue_final_message",
             )
         return self
-
-    @property
-    def as_chat_completion(self) -> bool:
-        """Rendered exactly as /v1/chat/completions renders these messages."""
-        return (
-            self.add_generation_prompt
-            and not self.continue_final_message
-            and not self.add_special_tokens
-            and not self.chat_template_kwargs
-        )
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]

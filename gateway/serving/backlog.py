@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 
 from gateway.openai.errors import ApiError
+from gateway.serving.placement import OUTCOMES, Placement
+from gateway.serving.shared_fetch import SharedFetch
 from protocol import Keys, RequestMessage
 from protocol.queue import (
     DEFAULT_QUEUE,
@@ -53,6 +56,7 @@ class BacklogMonitor:
         max_queued_tokens: int = 0,
         retry_after_s: int = 1,
         cache_s: float = 0.1,
+        placements: Counter | None = None,
     ):
         self.redis = redis
         self.keys = keys
@@ -64,13 +68,18 @@ class BacklogMonitor:
         self.cache_s = cache_s
         self._reading: Backlog | None = None
         self._read_at = -float("inf")
-        self._fetching: asyncio.Future[Backlog] | None = None
+        self._fetching = SharedFetch(self._fetch)
         self._enqueued_since_reading = 0
         self._tokens_since_reading = 0
         # register_script: EVALSHA, and SCRIPT LOAD + EVALSHA again on NOSCRIPT (a restarted
         # Redis has an empty script cache).
         self._enqueue = redis.register_script(scripts.ENQUEUE)
         self._read = redis.register_script(scripts.BACKLOG)
+        # Prefix-aware placement (gateway/serving/placement.py), counted in `placements`.
+        self.placement: Placement | None = None
+        if placements is not None:
+            counts = {o: placements.labels(model, o) for o in OUTCOMES}  # exported from 0
+            self.placement = Placement(redis, keys, model, lambda o: counts[o].inc())
 
     def queue(self, queue: Queue) -> str:
         return queue.stream(self.keys, self.model)
@@ -79,14 +88,7 @@ class BacklogMonitor:
         max_age = self.cache_s if max_age_s is None else max_age_s
         if self._reading is not None and time.monotonic() - self._read_at < max_age:
             return self._reading
-        if self._fetching is None:  # one XINFO in flight; concurrent callers share it
-            self._fetching = asyncio.ensure_future(self._fetch())
-        fetching = self._fetching
-        try:
-            return await asyncio.shield(fetching)
-        finally:
-            if fetching.done() and self._fetching is fetching:
-                self._fetching = None
+        return await self._fetching()  # one XINFO in flight; concurrent callers share it
 
     def release(self, prompt_tokens: int) -> None:
         """Undo an admit() whose XADD failed."""
@@ -110,6 +112,17 @@ class BacklogMonitor:
             call = enqueue_call(self.keys, self.model, queue, fields, prompt_tokens)
             entry_id = await self._enqueue(keys=call.keys, args=call.args)
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+    async def place(self, message: RequestMessage, queue: Queue, cost: int) -> tuple[str, str]:
+        """Enqueue as `enqueue` does, on the worker whose prefix cache holds the most of the
+        prompt when placement is on and finds one: (the stream it went to, entry id)."""
+        if self.placement is not None:
+            worker = await self.placement.target(queue, message.prompt_token_ids)
+            if worker is not None:
+                fields = encode_entry(message, cost)
+                tokens = len(message.prompt_token_ids)
+                return await self.placement.place(worker, queue, fields, tokens)
+        return self.queue(queue), await self.enqueue(message, queue, cost)
 
     async def admit(self, prompt_tokens: int) -> None:
         """Raise 429 if one more request of `prompt_tokens` would overfill the queue; otherwise

@@ -77,6 +77,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.placements = Counter(
+            "jitney_placements",
+            "Requests enqueued, by placement outcome: hit (on the worker holding most of the "
+            "prompt), no_hit or busy (the shared stream)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.duplicate_replies = Counter(
             "jitney_gateway_duplicate_replies",
             "Reply messages dropped as duplicates (seq already delivered)",

@@ -72,6 +72,7 @@ class Gateway:
             max_queued_tokens=config.max_queued_tokens,
             retry_after_s=config.retry_after_s,
             cache_s=config.backlog_cache_s,
+            placements=self.metrics.placements if config.prefix_placement else None,
         )
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="jitney-tokenizer")
         self.registry = ModelRegistry(
@@ -79,6 +80,7 @@ class Gateway:
             self.keys,
             self.tokenizer_thread,
             require_workers=not config.queue_without_workers,
+            reasoning=config.reasoning_format,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None

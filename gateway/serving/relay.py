@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,11 +176,15 @@ class Relay:
         return choice, delta
 
     def usage(self) -> dict[str, Any]:
-        """Summed over the prompts: each counted once whatever its `n`."""
+        """Summed over the prompts: each counted once whatever its `n`; the reasoning's tokens
+        too when the model has a reasoning parser."""
         prompt = sum(e.prompt_tokens or e.num_prompt for e in self.entries)
         cached = sum(e.cached_tokens for e in self.entries)
         completion = sum(c.usage_tokens for c in self.choices)
-        return usage(prompt, completion, cached)
+        reasoning = None
+        if any(c.reasoning is not None for c in self.choices):
+            reasoning = sum(c.reasoning_tokens for c in self.choices)
+        return usage(prompt, completion, cached, reasoning)
 
     async def collect(self) -> web.Response:
         body = await self.collect_body()
@@ -187,12 +192,8 @@ class Relay:
 
     async def collect_body(self) -> dict[str, Any]:
         """The whole (non-streamed) response body, or the ApiError the request ended with."""
-        while not self.done:
-            try:
-                reply = await self.next_reply(self._wait_limit())
-            except TimeoutError:
-                raise idle_timeout_error() from None
-            self.apply(reply)
+        async for _ in self.updates():
+            pass
         if self.error is not None:
             raise final_error(self.error)
         r = self.responder
@@ -200,7 +201,10 @@ class Relay:
         for c in self.choices:
             text, logprobs, calls, reason = c.result()
             tool_calls = [call.message() for call in calls] or None
-            choices.append(r.choice(c.index, text, reason, logprobs, tool_calls))
+            parsed = c.reasoning is not None
+            choices.append(
+                r.choice(c.index, text, reason, logprobs, tool_calls, c.reasoning_text, parsed)
+            )
         return r.body(choices, self.usage())
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
@@ -220,39 +224,56 @@ class Relay:
             pass
         return response
 
-    async def _stream_replies(self, response: web.StreamResponse) -> None:
+    async def updates(
+        self, keepalive_s: float | None = None
+    ) -> AsyncIterator[tuple[Choice, Delta] | None]:
+        """The replies applied in arrival order until nothing more goes to the client (every
+        choice ended, or `error` is set): what each added to its choice, and None after each
+        `keepalive_s` of silence (a stream's keep-alive). No reply in time: idle_timeout_error.
+        Every way of answering (a body, a stream, the Responses API's events) reads this."""
         silent_s = 0.0
-        keepalive = self.gw.config.sse_keepalive_s
-        while True:
-            wait = min(keepalive, self._wait_limit() - silent_s)
+        while not self.done:
+            limit = self._wait_limit()
+            wait = limit - silent_s if keepalive_s is None else min(keepalive_s, limit - silent_s)
             try:
                 reply = await self.next_reply(max(wait, 0.0))
             except TimeoutError:
                 silent_s += wait
                 if silent_s >= self._wait_limit():
-                    await response.write(sse(idle_timeout_error().body()))
-                    return
-                await response.write(KEEPALIVE)
+                    raise idle_timeout_error() from None
+                yield None
                 continue
             silent_s = 0.0
             if (applied := self.apply(reply)) is not None:
+                yield applied
+
+    async def _stream_replies(self, response: web.StreamResponse) -> None:
+        try:
+            async for applied in self.updates(self.gw.config.sse_keepalive_s):
+                if applied is None:
+                    await response.write(KEEPALIVE)
+                    continue
                 for chunk in self._chunks(*applied):
                     await response.write(sse(chunk))
-            if self.error is not None:
-                await response.write(sse(final_error(self.error).body()))
-                return
-            if self.done:
-                if self.responder.include_usage:
-                    await response.write(sse(self.responder.usage_chunk(self.usage())))
-                return
+        except ApiError as e:  # no reply in time
+            await response.write(sse(e.body()))
+            return
+        if self.error is not None:
+            await response.write(sse(final_error(self.error).body()))
+        elif self.responder.include_usage:
+            await response.write(sse(self.responder.usage_chunk(self.usage())))
 
     def _chunks(self, choice: Choice, delta: Delta) -> list[dict[str, Any]]:
-        """The stream chunks of one delta: text (with log-probs), each tool call (its name, then
-        its arguments), then the finish."""
+        """The stream chunks of one delta: reasoning, text (each with the log-probs when first),
+        each tool call (its name, then its arguments), then the finish."""
         r, i = self.responder, choice.index
         chunks = []
-        if delta.text or delta.logprobs:
-            chunks.append(r.chunk(delta.text, logprobs=delta.logprobs, index=i))
+        logprobs = delta.logprobs
+        if delta.reasoning:
+            chunks.append(r.chunk(logprobs=logprobs, index=i, reasoning=delta.reasoning))
+            logprobs = None
+        if delta.text or logprobs:
+            chunks.append(r.chunk(delta.text, logprobs=logprobs, index=i))
         first = (choice.tools.num_calls if choice.tools else 0) - len(delta.calls)
         for k, call in enumerate(delta.calls, start=first):
             head = {"index": k, "id": call.id, "type": "function"}

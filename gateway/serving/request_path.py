@@ -40,8 +40,9 @@ from gateway.openai.request_models import (
     parse_completion,
 )
 from gateway.openai.response_bodies import Kind, Responder
-from gateway.openai.structured_outputs import compile_error
+from gateway.openai.structured_outputs import Grammar, compile_error
 from gateway.openai.tool_parser import ToolStream
+from gateway.serving import tracing
 from gateway.serving.backlog import Queue
 from gateway.serving.gateway_state import Gateway
 from gateway.serving.relay import PromptEntry, Relay
@@ -79,10 +80,19 @@ class Job:
 
 async def prepare(gw: Gateway, kind: Kind, body: dict[str, Any]) -> Job:
     """Steps 1-3: parse, resolve the model, tokenize, check limits and the grammar (4xx)."""
-    parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+    with tracing.span("jitney.parse", **{tracing.KIND: kind}):
+        parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+    return await prepare_parsed(gw, kind, parsed)
+
+
+async def prepare_parsed(gw: Gateway, kind: Kind, parsed: GenerationRequest) -> Job:
+    """Steps 2-3 for a request parsed already (the Responses API's, made into a chat)."""
     _check_num_prompts(gw, parsed)
     model = await gw.registry.resolve(parsed.model)
-    prompts = await _prompts(gw, model, parsed)
+    tracing.annotate(**{tracing.MODEL: model.name})
+    with tracing.span("jitney.tokenize") as span:
+        prompts = await _prompts(gw, model, parsed)
+        tracing.set_attributes(span, prompts=len(prompts), prompt_tokens=sum(map(len, prompts)))
     # The model's sampling defaults fill the fields the request did not send.
     parsed = model.with_defaults(parsed, prompts)
     # Every prompt fits with the same max_tokens (the completions default does not depend on
@@ -101,11 +111,14 @@ async def prepare(gw: Gateway, kind: Kind, body: dict[str, Any]) -> Job:
             f"'logit_bias' names token ids outside the vocabulary (size {model.vocab_size}).",
             param="logit_bias",
         )
-    if parsed.grammar is not None:  # compiled now: a bad one is a 400 before anything queues
-        error = await gw.registry.run(model.grammar_error, parsed.grammar.text)
+    grammar = parsed.grammar
+    if grammar is not None:  # compiled now: a bad one is a 400 before anything queues
+        if kind == "chat":  # for the content only (after any reasoning: a reasoning parser's)
+            grammar = replace(grammar, text=model.content_grammar(grammar.text, prompts[0]))
+        error = await gw.registry.run(model.grammar_error, grammar.text)
         if error is not None:
-            raise compile_error(parsed.grammar, error)
-    return Job(kind, parsed, model, prompts, _wire_sampling(parsed, max_tokens))
+            raise compile_error(grammar, error)
+    return Job(kind, parsed, model, prompts, _wire_sampling(parsed, max_tokens, grammar))
 
 
 async def submit(
@@ -137,11 +150,14 @@ async def submit(
         now = time.time()
         try:
             for entry, prompt_ids in zip(entries, job.prompts, strict=True):
-                message = _message(gw, job, entry.request_id, prompt_ids, now, priority, key_id)
-                entry.in_flight.request_stream = backlog.queue(queue)
-                tried.append(entry)
-                cost = job.prompt_cost(prompt_ids)
-                entry.in_flight.entry_id = await backlog.enqueue(message, queue, cost)
+                with tracing.enqueue_span(entry.request_id) as span:
+                    message = _message(gw, job, entry.request_id, prompt_ids, now, priority, key_id)
+                    tried.append(entry)
+                    cost = job.prompt_cost(prompt_ids)
+                    # On the worker holding the prompt's start, when placement finds one.
+                    stream, entry_id = await backlog.place(message, queue, cost)
+                    tracing.set_attributes(span, **{tracing.STREAM: stream})
+                entry.in_flight.request_stream, entry.in_flight.entry_id = stream, entry_id
         except RedisError:
             tried.pop()
             # Undo the admission of the prompts not in the stream (a reading counts the rest).
@@ -197,6 +213,7 @@ def _message(
         deadline=None if timeout is None else now + timeout,
         priority=priority,
         key_id=key_id,
+        trace_context=tracing.carrier(),  # the enqueue span's: the worker's spans continue it
     )
 
 
@@ -212,7 +229,9 @@ def _check_num_prompts(gw: Gateway, parsed: GenerationRequest) -> None:
         )
 
 
-def _wire_sampling(parsed: GenerationRequest, max_tokens: int) -> SamplingParams:
+def _wire_sampling(
+    parsed: GenerationRequest, max_tokens: int, grammar: Grammar | None
+) -> SamplingParams:
     """What the worker gets. Echo with max_tokens 0: one token (the wire's minimum), not shown;
     with logprobs, the prompt's own log-probs too."""
     echo = isinstance(parsed, CompletionRequest) and parsed.echo
@@ -222,7 +241,7 @@ def _wire_sampling(parsed: GenerationRequest, max_tokens: int) -> SamplingParams
         max_tokens=max(max_tokens, 1),
         min_tokens=parsed.min_tokens,
         detokenize=False,
-        grammar=parsed.grammar.text if parsed.grammar else None,
+        grammar=grammar.text if grammar else None,
         prompt_logprobs=logprobs if echo and logprobs is not None else None,
     )
 
@@ -246,6 +265,7 @@ def _choices(job: Job, prompt: int, keep: bool) -> list[Choice]:
             detok=IncrementalDetokenizer.create(model.decoder, prompt_ids, sampling.stop),
             logprobs=None if sampling.logprobs is None else LogprobsFormatter(kind, model.decoder),
             tools=None if names is None else ToolStream(names),
+            reasoning=model.reasoning_stream(prompt_ids) if kind == "chat" else None,
             echo=None if echo is None else Echo(echo, prompt_ids),
             hide_output=parsed.max_tokens == 0,
             keep=keep,
@@ -274,7 +294,8 @@ async def _prompts(gw: Gateway, model: ServedModel, parsed: GenerationRequest) -
         messages, specs = tools.chat_input(
             parsed.template_messages(), parsed.tool_config, model.template_has_tools
         )
-        prompts = [await gw.registry.run(model.chat_ids, messages, specs)]
+        kwargs = parsed.chat_template_kwargs  # the client's, to the template
+        prompts = [await gw.registry.run(model.chat_ids, messages, specs, kwargs)]
     elif isinstance(parsed.prompts[0], str):
         prompts = await gw.registry.run(_encode_all, model, parsed.prompts)
     else:  # token ids, never empty (the request model): only the vocabulary is left to check

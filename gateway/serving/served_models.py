@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,6 +33,7 @@ from gateway.openai.errors import ApiError, bad_request, model_not_found
 from gateway.openai.generation_fields import GenerationFields
 from gateway.serving.tasks import cancel_and_wait
 from generation import grammar as grammars
+from generation.reasoning import ReasoningFormat, ReasoningStream, content_grammar
 from protocol import HEARTBEAT_TTL_S, Keys, ModelCard
 from protocol.messages import MESSAGE_FIELD
 from protocol.model_card import tokenizer_from_card
@@ -41,6 +42,9 @@ from protocol.sampling_defaults import SamplingDefaults
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=GenerationFields)
+# Prompt tokens read for where a chat's output starts (a reasoning marker the template wrote, and
+# the whitespace after it): enough even at a token per character.
+PROMPT_TAIL_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -55,6 +59,8 @@ class ServedModel:
     lltokenizer: LLTokenizer | None = None
     # The card's, validated when it was read (a card with bad ones is not served).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # How its chat outputs split into reasoning and content (--reasoning-parser); None: not.
+    reasoning: ReasoningFormat | None = None
 
     @property
     def name(self) -> str:
@@ -85,24 +91,64 @@ class ServedModel:
         return grammars.validate(grammar, self.lltokenizer)
 
     def chat_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
+        """A chat's token ids: the template rendered (with the client's `chat_template_kwargs`),
+        then encoded as apply_chat_template's tokenize=True encodes; by default as chat
+        completions render it. Every route renders a chat here, on the tokenizer thread."""
         if not self.tokenizer.chat_template:
             raise bad_request(
                 f"Model {self.name!r} has no chat template; use /v1/completions.",
                 param="messages",
             )
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
-        except (TemplateError, ValueError, TypeError) as e:  # the template refused the chat
+        except (TemplateError, ValueError) as e:  # the template refused the chat
             # The template's own message ("roles must alternate"), never the messages themselves.
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise bad_request(
                 f"The model's chat template rejected the messages: {reason}", param="messages"
             ) from None
-        return list(ids)
+        except (TypeError, ArithmeticError, LookupError, AttributeError):
+            # A value the template misused ({{ n + 1 }} with a string): the message may quote
+            # the client's kwargs, so it is not repeated.
+            what = "the messages or 'chat_template_kwargs'" if template_kwargs else "the messages"
+            raise bad_request(
+                f"The model's chat template rejected {what}.", param="messages"
+            ) from None
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def reasoning_stream(self, prompt_ids: Sequence[int]) -> ReasoningStream | None:
+        """The splitter of a chat output after `prompt_ids` (None: no reasoning parser)."""
+        if self.reasoning is None:
+            return None
+        return ReasoningStream.after_prompt(self.reasoning, self._prompt_tail(prompt_ids))
+
+    def content_grammar(self, grammar: str, prompt_ids: Sequence[int]) -> str:
+        """A chat's grammar, for its content only: the reasoning before it is not constrained
+        (with no reasoning parser, `grammar` itself)."""
+        if self.reasoning is None:
+            return grammar
+        phase = self.reasoning.phase_after(self._prompt_tail(prompt_ids))
+        return content_grammar(self.reasoning, phase, grammar)
+
+    def _prompt_tail(self, prompt_ids: Sequence[int]) -> str:
+        tail = list(prompt_ids[-PROMPT_TAIL_TOKENS:])
+        return self.decoder.decode(tail, skip_special_tokens=False)
 
 
 class ModelRegistry:
@@ -120,6 +166,7 @@ class ModelRegistry:
         miss_rescan_s: float = 0.5,
         card_refresh_s: float = 30.0,
         require_workers: bool = True,
+        reasoning: Callable[[str], ReasoningFormat | None] = lambda model: None,
     ):
         self.redis = redis
         self.keys = keys
@@ -130,6 +177,7 @@ class ModelRegistry:
         self.card_refresh_s = card_refresh_s
         # False (scale to zero): its requests wait in the queue for the model's first worker.
         self.require_workers = require_workers
+        self.reasoning = reasoning  # each model's reasoning parser (GatewayConfig's)
         self._models: dict[str, ServedModel] = {}
         self._live: set[str] = set()  # models with a live worker, as last read
         self._live_at = -float("inf")
@@ -254,7 +302,8 @@ class ModelRegistry:
         except Exception as e:  # structured outputs are then checked without the vocabulary
             log.warning("no llguidance tokenizer model=%s error=%s", name, type(e).__name__)
             lltokenizer = None
+        reasoning = self.reasoning(name)
         self._models[name] = ServedModel(
-            card, tokenizer, decoder, digest, time.monotonic(), lltokenizer, defaults
+            card, tokenizer, decoder, digest, time.monotonic(), lltokenizer, defaults, reasoning
         )
         log.info("model card loaded model=%s max_model_len=%d", name, card.max_model_len)

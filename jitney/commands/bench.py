@@ -1,12 +1,14 @@
 """`jitney bench offline`: the engine against transformers' baselines on a trace.
 `jitney bench serve`: load against a live service over the OpenAI streaming API.
-`jitney bench report`: the key series from Prometheus over a time range, as PNG + JSON."""
+`jitney bench report`: the key series from Prometheus over a time range, as PNG + JSON.
+`jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(off)
     _add_serve_arguments(sub)
     _add_queue_arguments(sub)
+    _add_placement_arguments(sub)
     add_report_arguments(sub)
 
 
@@ -107,6 +110,14 @@ def _add_serve_arguments(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="seconds the backlog runs alone before the interactive requests start",
     )
+    srv.add_argument(
+        "--conversations",
+        default=None,
+        metavar="TRACE_JSON",
+        help="replay a multi-turn trace (bench/traces/multi_turn.json) instead of --trace: each "
+        "conversation's turns in order, each after the previous reply; reports the prefix hit "
+        "rate and prefill tokens too",
+    )
     srv.add_argument("--label", default=None, help="this run's name in --compare tables")
     srv.add_argument("--output", default="bench-serve.json", help="results JSON")
     srv.add_argument(
@@ -141,6 +152,19 @@ def _add_queue_arguments(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--requests", type=int, default=d.requests)
     q.add_argument("--prompt-len", type=int, default=d.prompt_len)
     q.add_argument("--output-len", type=int, default=d.output_len)
+    q.add_argument(
+        "--prefix-placement",
+        action=argparse.BooleanOptionalAction,
+        default=d.placement,
+        help="prefix-aware placement on the gateways and workers",
+    )
+    q.add_argument(
+        "--prefixes",
+        type=int,
+        default=d.prefixes,
+        metavar="K",
+        help="each prompt starts with one of K shared prefixes (3/4 of it), so placement hits",
+    )
     q.add_argument("--output", default="bench-queue.json", help="results JSON")
     q.add_argument(
         "--compare",
@@ -174,6 +198,8 @@ def run_queue(args: argparse.Namespace) -> int:
         args.requests,
         args.prompt_len,
         args.output_len,
+        args.prefix_placement,
+        args.prefixes,
     )
     try:
         report = run_queue_bench(setup, lambda m: print(m, file=sys.stderr, flush=True))
@@ -211,6 +237,8 @@ def run_serve(args: argparse.Namespace) -> int:
             plot_compare(reports, plot)
             say(f"wrote {plot}")
         return 0
+    if args.conversations:
+        return _run_conversations(args, say)
     if args.arrivals == "trace" and args.rate is not None:
         raise SystemExit("--arrivals trace replays the trace's times: drop --rate")
     if args.rate is None and args.concurrency is None and args.arrivals != "trace":
@@ -248,6 +276,92 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_conversations(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    import asyncio
+
+    import aiohttp
+
+    from bench.conversation_trace import load_conversations
+    from bench.conversations import run_conversations
+    from bench.serve import write_json
+    from bench.serve_report import format_table
+
+    trace = load_conversations(args.conversations, args.limit)
+    try:
+        report = asyncio.run(
+            run_conversations(
+                args.url,
+                trace,
+                model=args.model,
+                max_duration=args.max_duration,
+                label=args.label or "conversations",
+                say=say,
+            )
+        )
+    except (ValueError, RuntimeError, aiohttp.ClientError) as e:
+        raise SystemExit(f"bench serve: {e}") from None
+    report["trace"] = args.conversations
+    report["command"] = recorded_command()
+    print(format_table(report))
+    print(
+        f"prefix hit rate {report['prefix_hit_rate']} ({report['cached_tokens']} of "
+        f"{report['prompt_tokens']} prompt tokens cached), {report['prefill_tokens']} prefilled"
+    )
+    write_json(report, args.output)
+    say(f"wrote {args.output}")
+    return 0
+
+
+def _add_placement_arguments(sub: argparse._SubParsersAction) -> None:
+    from bench.conversation_trace import DEFAULT_PATH
+    from bench.placement import PlacementSetup
+
+    d = PlacementSetup()
+    pl = sub.add_parser(
+        "placement",
+        help="a multi-turn trace over one worker, and N workers with placement off and on",
+        description="Starts its own stacks (private Redis, workers, one gateway) one after the "
+        "other and replays a multi-turn trace on each: the fleet's prefix hit rate against one "
+        "worker's, TTFT p50/p99, prefill tokens, where requests went.",
+    )
+    pl.add_argument("--model", default=d.model)
+    pl.add_argument("--workers", type=int, default=d.workers, help="workers of the N-worker runs")
+    pl.add_argument("--conversations", default=str(DEFAULT_PATH), metavar="TRACE_JSON")
+    pl.add_argument("--limit", type=int, default=None, help="the first N conversations only")
+    pl.add_argument(
+        "--worker-args",
+        default=" ".join(d.worker_args),
+        help="engine flags every worker gets (one string, split on spaces)",
+    )
+    pl.add_argument("--threads", type=int, default=d.threads, help="OMP threads per worker")
+    pl.add_argument("--max-duration", type=float, default=d.max_duration, help="per run")
+    pl.add_argument("--output", default="bench-placement.json", help="results JSON")
+
+
+def run_placement(args: argparse.Namespace) -> int:
+    from bench.conversation_trace import load_conversations
+    from bench.placement import PlacementSetup, format_report, run_placement_bench
+    from bench.serve import write_json
+
+    setup = PlacementSetup(
+        args.model,
+        args.workers,
+        tuple(args.worker_args.split()),
+        args.threads,
+        args.max_duration,
+    )
+    trace = load_conversations(args.conversations, args.limit)
+    try:
+        report = run_placement_bench(setup, trace, lambda m: print(m, file=sys.stderr, flush=True))
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    report["trace"] = args.conversations
+    report["command"] = recorded_command()
+    print(format_report(report))
+    write_json(report, args.output)
+    return 0
+
+
 def structured_run(spec: str) -> StructuredRun:
     """--response-format's value as the grammar every request of the structured run gets."""
     from bench.offline import OfflineBenchError, StructuredRun
@@ -275,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
         return run_serve(args)  # no torch: the load generator is a plain HTTP client
     if args.bench == "queue":
         return run_queue(args)  # processes of its own: nothing loads torch here
+    if args.bench == "placement":
+        return run_placement(args)  # processes of its own too
     import torch
 
     from bench.offline import OfflineBenchError, run_offline_bench, write_json

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from jitney.flag_defaults import field_defaults
-from scheduler import POLICIES, SPECULATIVE_METHODS
+from scheduler import POLICIES
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -16,7 +16,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     # Every default is EngineConfig's own field (its batching fields are SchedulerConfig's), so a
     # bare Engine and `jitney worker` without flags cannot disagree. Imported here, not at the
     # top: importing this module alone loads nothing of the engine.
-    from engine.config import DECODE_ATTENTION, MODEL_IMPLS, QUANTIZATIONS, EngineConfig
+    from engine.config import (
+        DECODE_ATTENTION,
+        MODEL_IMPLS,
+        POOLING_METHODS,
+        QUANTIZATIONS,
+        SPECULATIVE_CHOICES,
+        EngineConfig,
+    )
 
     engine = field_defaults(EngineConfig)
     g = p.add_argument_group("engine")
@@ -82,10 +89,25 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--speculative",
-        choices=SPECULATIVE_METHODS,
+        choices=SPECULATIVE_CHOICES,
         default=engine["speculative"],
         help="speculative decoding: ngram verifies prompt-lookup drafts beside the batch's "
-        "decodes (greedy requests of small batches; the same tokens, fewer steps); none: off",
+        "decodes (small batches; the same tokens, fewer steps); draft: a draft model's "
+        "(--speculative-model, which implies it); none: off; auto: draft with a draft model, "
+        "else ngram under continuous batching",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=engine["speculative_model"],
+        metavar="MODEL",
+        help="speculative decoding with a draft model (any --model spec) that shares the "
+        "target's tokenizer: it proposes greedily on its own KV pool, the target verifies",
+    )
+    g.add_argument(
+        "--speculative-kv-cache-memory",
+        default=engine["speculative_kv_cache_memory"],
+        metavar="SIZE",
+        help="the draft model's KV pool, taken out of the KV budget (default: an eighth of it)",
     )
     g.add_argument(
         "--num-speculative-tokens",
@@ -149,13 +171,28 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=engine["quantization"],
-        help="gguf: keep a GGUF model's own 4/8-bit blocks (Q4_1, Q8_0) and multiply them with "
-        "Jitney's CPU kernels (float32 activations; Jitney's forward, CPU); int8: Q8_0 blocks "
-        "made at load from any covered model's weights, the same kernels; none: dense weights "
-        "in --dtype (the exact mode)",
+        help="gguf: keep a GGUF model's own 4/8-bit blocks (Q4_0, Q4_1, Q8_0) and multiply them "
+        "with Jitney's CPU kernels (Jitney's forward, CPU; float32 activations, bf16 tiles for "
+        "batched steps where the CPU has AMX); int8: Q8_0 blocks made at load from any covered "
+        "model's weights, the same kernels; none: dense weights in --dtype (the exact mode); "
+        "auto: gguf for a GGUF model the kernels cover, else none",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the dense forward's layers (--quantization none; inductor's code is "
+        "cached under the cache dir, so only the first start pays). Off by default: on the CPU "
+        "it was measured to gain at one sequence and lose at batches (docs/performance.md)",
     )
     g.add_argument(
         "--cache-dir", default=engine["cache_dir"], help="converted-model cache (JITNEY_CACHE_DIR)"
+    )
+    g.add_argument(
+        "--pooling",
+        choices=POOLING_METHODS,
+        default=engine["pooling"],
+        help="/v1/embeddings: the last token's final hidden state (vLLM's default for decoder "
+        "models: in a causal model only it has seen the whole input) or the mean over the input",
     )
 
 
@@ -180,14 +217,18 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
         speculative_max_step_tokens=args.speculative_max_step_tokens,
+        speculative_model=args.speculative_model,
+        speculative_kv_cache_memory=args.speculative_kv_cache_memory,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         decode_attention=args.decode_attention,
         model_impl=args.model_impl,
         quantization=args.quantization,
+        compile=args.compile,
         cache_dir=args.cache_dir,
         noop_step_ms=args.noop_step_ms,
+        pooling=args.pooling,
     )
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from gateway.config import (
     RateLimits,
     default_gateway_id,
     parse_api_keys,
+    parse_reasoning_parsers,
 )
 from jitney.flag_defaults import field_defaults
 from protocol import redis_url
@@ -150,6 +151,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Batch API: a running line's lease (renewed); a dead gateway's lines run again "
         "elsewhere after it",
     )
+    p.add_argument(
+        "--responses-ttl",
+        type=float,
+        default=config["responses_ttl_s"],
+        metavar="SECONDS",
+        help="Responses API: how long a stored response (store: true) can be retrieved and "
+        "continued (previous_response_id)",
+    )
+    p.add_argument(
+        "--responses-max-bytes",
+        type=int,
+        default=config["responses_max_bytes"],
+        help="Responses API: largest stored response, with its conversation (a longer "
+        "conversation to store is a 400; a larger result is returned with store: false)",
+    )
+    p.add_argument(
+        "--prefix-placement",
+        action=argparse.BooleanOptionalAction,
+        default=config["prefix_placement"],
+        help="enqueue each request on the worker whose prefix cache holds most of its prompt "
+        "(workers publish summaries with the same flag), unless it is much busier",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="",
+        metavar="NAME|MODEL=NAME,...",
+        help="split reasoning models' output into reasoning_content and content: deepseek_r1, "
+        "qwen3 or granite, for every model, or per model as MODEL=NAME (comma-separated)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -196,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
             batch_max_queued=args.batch_max_queued,
             batch_concurrency=args.batch_concurrency,
             batch_lease_s=args.batch_lease,
+            responses_ttl_s=args.responses_ttl,
+            responses_max_bytes=args.responses_max_bytes,
+            prefix_placement=args.prefix_placement,
+            reasoning_parsers=parse_reasoning_parsers(args.reasoning_parser),
         )
     except (OSError, ValueError) as e:  # key errors name the entry, never the key
         log.error("invalid gateway configuration: %s", e)

@@ -76,6 +76,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "dashboards and autoscaling rules written for vLLM",
     )
     p.add_argument(
+        "--prefix-placement",
+        action=argparse.BooleanOptionalAction,
+        default=service["prefix_placement"],
+        help="publish a summary of the prefix cache, so gateways place requests on the worker "
+        "holding their prompt's start, and read this worker's own streams",
+    )
+    p.add_argument(
+        "--placement-steal-ms",
+        type=int,
+        default=service["placement_steal_ms"],
+        help="take an entry placed on another worker that it has not read within this long",
+    )
+    p.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="debug logs every request"
     )
     add_generation_config_arguments(p)
@@ -141,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
             args.stall_timeout,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config,
+            prefix_placement=args.prefix_placement,
+            placement_steal_ms=args.placement_steal_ms,
         )
     except ValueError as e:
         logger.error("cannot_start %s", kv(error=e))
@@ -173,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     card = card_from_tokenizer(
         served, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids), defaults
     )
+    card.embedding_size = engine.embedding_size  # /v1/embeddings checks `dimensions` by it
     metrics = WorkerMetrics(served, worker_id)
     try:
         port = metrics.serve(args.metrics_port, vllm_names=args.vllm_metrics)
@@ -180,7 +196,15 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot_start %s", kv(metrics_port=args.metrics_port, error=e.strerror))
         return 2
     keys = Keys(args.key_prefix)
-    io = WorkerRedis.connect(redis_url(), keys, worker_id, served, args.idle_block_ms)
+    io = WorkerRedis.connect(
+        redis_url(),
+        keys,
+        worker_id,
+        served,
+        args.idle_block_ms,
+        config.prefix_placement,
+        config.placement_steal_ms,
+    )
     logger.info(
         "worker_starting %s",
         kv(

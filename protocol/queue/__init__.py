@@ -5,8 +5,11 @@ by the consumer group `workers`. Its pieces, each spelled once:
 - `entry.py`: which queue a request goes to (`Queue`) and an entry's fields (`encode_entry`,
   `entry_cost`, `addressing`, the dead-letter form);
 - `scripts.py`: every Lua script that touches a request or reply stream (enqueue, the backlog
-  reading, the deficit-round-robin read, publish/ack/refund, the fenced heartbeat);
-- `calls.py`: each script's KEYS and ARGV, built from typed values, and the read's reply.
+  reading, the deficit-round-robin read, publish/ack/refund, the fenced heartbeat, placement's
+  lookup and place);
+- `calls.py`: each script's KEYS and ARGV, built from typed values, and the read's reply;
+- `placement.py`: prefix-aware placement's part (a worker's own stream of each queue, its prefix
+  summary, the steal bound), which the scripts above carry when it is on.
 The I/O itself (register the scripts, one call per round trip) stays at each end.
 """
 

@@ -32,8 +32,9 @@ class Queue:
     share: str | None = None  # the API key id, for a key with a fair-share weight
     weight: int = 1
 
-    def stream(self, keys: Keys, model: str) -> str:
-        return keys.requests(model, self.priority, self.share)
+    def stream(self, keys: Keys, model: str, worker: str | None = None) -> str:
+        """Its stream, or `worker`'s own stream of it (prefix-aware placement)."""
+        return keys.requests(model, self.priority, self.share, worker)
 
 
 DEFAULT_QUEUE = Queue()  # priority 0, no fair-share key: `{p}:requests:{model}`

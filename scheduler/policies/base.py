@@ -42,7 +42,8 @@ class BatchingPolicy(ABC):
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
         self.stats = SchedulerStats(num_total_blocks=kv.num_blocks)
-        # Who proposes draft tokens (None: no speculation); a draft model replaces it here.
+        # Who proposes draft tokens (None: no speculation). A model proposer ("draft") lives in
+        # the engine, which sets it here (scheduler/speculation/proposer.py).
         self.proposer: Proposer | None = _proposer_for(config.speculative)
 
     # ----- requests in and out -----------------------------------------------------------------
@@ -150,6 +151,8 @@ class BatchingPolicy(ABC):
                 if not chunk.samples:
                     continue
                 finish = seq.append_token(sampled_token_ids[seq.seq_id])
+                seq.num_step_tokens = 1
+                seq.draft_pause = max(seq.draft_pause - 1, 0)
             if finish is None and seq.seq_id in stopped_seq_ids:
                 finish = SequenceStatus.FINISHED_STOPPED
             if finish is not None:
@@ -168,12 +171,15 @@ class BatchingPolicy(ABC):
         seq.draft_token_ids = []
         # All accepted: try twice as many next time; else one more than were accepted.
         seq.max_draft_tokens = 2 * k if num_accepted == k else num_accepted + 1
+        seq.num_draft_misses = 0 if num_accepted else seq.num_draft_misses + 1
+        seq.draft_pause = min(2 ** (seq.num_draft_misses - 1), 32) if seq.num_draft_misses else 0
         self.kv.trim(seq, seq.num_computed_tokens, self._reserve_tokens(seq))
         stats = self.stats
         stats.num_draft_tokens_total += k
         stats.num_accepted_tokens_total += num_accepted
         stats.num_verifications_total += 1
-        for token in tokens:
+        for n, token in enumerate(tokens, 1):
+            seq.num_step_tokens = n
             if (finish := seq.append_token(token)) is not None:
                 return finish
         return None

@@ -101,28 +101,16 @@ class ContinuousBatching(BatchingPolicy):
         """Draft tokens for a decoding sequence to verify this step, their KV allocated; none
         when it does not speculate. Speculation never preempts: without spare free blocks for
         the drafts the sequence decodes plainly."""
-        spec = self.config.speculative
         assert self.proposer is not None
-        if (
-            not seq.speculates
-            or not seq.num_output_tokens
-            or seq.num_uncomputed_tokens != 1
-            or len(self.running) >= spec.max_step_tokens
-        ):
-            return []
+        if len(self.running) >= self.config.speculative.max_step_tokens:
+            return []  # a batch this large never speculates (no rows to spare)
         # The step's rows so far, this token and one for each running sequence after it.
         rows = plan.num_batched_tokens + len(self.running) - i
-        # The verified tokens plus the one sampled after them must fit max_tokens and the budget.
-        room = min(
-            seq.max_draft_tokens or spec.num_speculative_tokens,
-            spec.num_speculative_tokens,
-            spec.max_step_tokens - rows,
-            budget - 1,
-            seq.limits.max_tokens - seq.num_output_tokens - 1,
-        )
+        # The drafts and the token sampled after them must fit the budget too.
+        room = min(self.config.speculative.num_drafts(seq, rows), budget - 1)
         if room < 1:
             return []
-        drafts = self.proposer.propose(seq.token_ids(0, seq.num_tokens), room)
+        drafts = self.proposer.propose(seq, room)
         if not drafts:
             return []
         # Leave a free block for every running sequence, so that the drafts never make another

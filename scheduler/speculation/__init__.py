@@ -3,8 +3,8 @@
 A proposer guesses the next tokens of a decoding sequence; the step computes the sequence's last
 token and its k drafts as one chunk of k + 1 query tokens, and the engine keeps the longest
 prefix of drafts the target model itself would have produced (engine/speculative.py). The
-n-gram proposer (prompt lookup) is pure and lives here; a draft model or a learned head (EAGLE,
-MTP) plugs into the same `Proposer` seam from the engine.
+n-gram proposer (prompt lookup) is pure and lives here; a draft model (engine/draft_model.py)
+plugs into the same `Proposer` seam from the engine, as a learned head (EAGLE, MTP) would.
 """
 
 from scheduler.speculation.ngram import NgramProposer

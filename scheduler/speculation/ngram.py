@@ -11,13 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
+from scheduler.sequence import Sequence
+
 
 @dataclass(slots=True, frozen=True)
 class NgramProposer:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
 
-    def propose(self, token_ids: SequenceABC[int], max_tokens: int) -> list[int]:
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return self.lookup(seq.token_ids(0, seq.num_tokens), max_tokens)
+
+    def lookup(self, token_ids: SequenceABC[int], max_tokens: int) -> list[int]:
+        """What followed the latest earlier occurrence of the tail of `token_ids`."""
         n_tokens = len(token_ids)
         if max_tokens < 1:
             return []

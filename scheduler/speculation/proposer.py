@@ -1,12 +1,22 @@
-"""The proposer seam and the speculation settings the scheduler reads."""
+"""The proposer seam and the speculation settings the scheduler reads.
+
+The continuous policy asks its proposer for a decoding sequence's drafts while it plans a step
+(`Proposer.propose`). A pure proposer answers from the sequence's tokens (n-gram); a model
+proposer (a draft model, later an EAGLE/MTP head) lives in the engine, computes every
+speculating sequence's drafts in one batched pass before the step is planned, and answers from
+what it computed (engine/draft_model.py): the scheduler never waits on a device.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-SPECULATIVE_METHODS = ("none", "ngram")
+if TYPE_CHECKING:
+    from scheduler.sequence import Sequence
+
+# "draft": a small model's greedy proposals; the engine installs its proposer (none here).
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclass(slots=True, frozen=True)
@@ -15,16 +25,17 @@ class SpeculativeConfig:
 
     method: str = "none"
     # The most draft tokens one sequence verifies in a step.
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 7
     # n-gram sizes tried, longest first: the last n tokens are looked up earlier in the sequence.
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Drafts only while the step's rows (every chunk's tokens, drafts included) stay within
     # this: a step costs about the same for a few rows as for one only while it is bound by
     # reading the weights; past that it is bound by arithmetic and every rejected draft is paid
-    # for. 5 is this 2-core CPU's (bench/traces/quoting.json, mixed-64: docs/performance.md);
-    # a GPU stays bound by the weight read to far more rows.
-    max_step_tokens: int = 5
+    # for. 8 is this CPU's: its one-pass kernel serves up to 8 tokens (8 cost 1.5x one, 4 cost
+    # 1.13x; bench/traces/quoting.json, mixed-64: docs/performance.md); a GPU stays bound by the
+    # weight read to far more rows.
+    max_step_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -40,8 +51,29 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method != "none"
 
+    def num_drafts(self, seq: Sequence, rows: int) -> int:
+        """The most drafts `seq` may verify in a step of `rows` rows before them (its own token
+        counted; 0: none): a decoding sequence the engine lets speculate and that is not
+        pausing after verifications that kept nothing, within
+        num_speculative_tokens, one more than its last verification kept (`max_draft_tokens`),
+        the step's rows, and max_tokens (the kept drafts and the token sampled after them).
+        The continuous policy asks it per sequence while it plans; a model proposer before, of
+        every running sequence at the fewest rows a step can have (one per sequence)."""
+        if not seq.speculates or not seq.num_output_tokens or seq.num_uncomputed_tokens != 1:
+            return 0
+        if seq.draft_pause:  # its last verifications kept nothing: it waits (Sequence says how)
+            return 0
+        k = self.num_speculative_tokens
+        room = min(
+            seq.max_draft_tokens or k,
+            k,
+            self.max_step_tokens - rows,
+            seq.limits.max_tokens - seq.num_output_tokens - 1,
+        )
+        return max(room, 0)
+
 
 class Proposer(Protocol):
-    def propose(self, token_ids: SequenceABC[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` guesses of the tokens that follow `token_ids` (may be none)."""
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` guesses of the tokens that follow `seq`'s (may be none)."""
         ...

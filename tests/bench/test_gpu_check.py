@@ -81,6 +81,8 @@ def test_the_cpu_run_checks_correctness_and_writes_every_section(plain_copy, tmp
     assert all(64 < row["contexts"][0] <= row["contexts"][1] for row in decode["rows"])
     assert decode["weight_read_bound_ms"] > 0 and decode["bandwidth_gb_s"] > 0
     assert all(row["eager_step_ms"] >= row["eager_forward_ms"] > 0 for row in decode["rows"])
+    # Jitney's own Llama-family forward, dense (the random models have no GGUF file)
+    assert {row["forward"] for row in decode["rows"]} == {"jitney-none"}
     # auto, on a CPU: the native in-place kernel where the C++ kernels built
     in_place = "native" if kernel_backend().is_native else "gather"
     assert {row["decode_attention"] for row in decode["rows"]} == {in_place}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.conversation_trace import TraceShape, generate
 from bench.serve import CANCELLED, NOT_SENT, poisson_arrivals, run_serve
 from bench.trace import load_trace, percentile
 from jitney.cli import main
@@ -146,3 +147,31 @@ async def test_mixed_class_mode_runs_over_a_batch_backlog(base, tmp_path):
     with urllib.request.urlopen(f"{base}/v1/batches/{backlog['batch_id']}", timeout=5) as resp:
         status = json.load(resp)["status"]
     assert status in ("cancelling", "cancelled", "completed")
+
+
+def test_conversations_mode_sends_each_turn_after_the_previous_reply(base, tmp_path, capsys):
+    """A multi-turn trace: turns of a conversation never overlap, and (one worker, a cache
+    that holds everything) every later turn's cached tokens are the last prompt's full blocks,
+    as the usage reports them."""
+    shape = TraceShape(
+        conversations=3, turns=(3, 3), system_len=40, user_len=(8, 20), reply_len=(3, 6)
+    )
+    trace = generate(shape, seed=5)
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps(trace.to_dict()))
+    out = tmp_path / "c.json"
+    argv = ["bench", "serve", "--url", base, "--conversations", str(path), "--output", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["failed"] == 0 and report["completed"] == trace.num_requests == 9
+    turns = {q["request_id"]: q for q in report["requests"]}
+    cached = 0
+    for c in trace.conversations:
+        for t in range(1, len(c.turns)):
+            this, last = turns[f"{c.id}-{t}"], turns[f"{c.id}-{t - 1}"]
+            assert this["start_s"] >= last["end_s"]
+            assert this["cached_tokens"] == len(trace.prompt(c, t - 1)) // 16 * 16
+            cached += this["cached_tokens"]
+    assert report["cached_tokens"] >= cached > 0
+    assert report["prefill_tokens"] == report["prompt_tokens"] - report["cached_tokens"]
+    assert "prefix hit rate" in capsys.readouterr().out

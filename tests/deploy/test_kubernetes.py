@@ -44,6 +44,7 @@ COMPONENTS = [
     "scale-to-zero",
     "external-redis+sentinel",
     "external-redis+redis-cluster",
+    "prefix-placement",
 ]
 # The base's served model name (JITNEY_SERVED_MODEL_NAME), whose request stream KEDA watches.
 SERVED_MODEL = "smollm2-135m"
@@ -188,6 +189,18 @@ def test_optional_component_builds_and_validates(tmp_path, monkeypatch, componen
         assert env(gateway)["JITNEY_QUEUE_WITHOUT_WORKERS"] == "1"
         monkeypatch.setenv("JITNEY_QUEUE_WITHOUT_WORKERS", "1")  # the gateway reads it so
         assert build_parser().parse_args(["gateway"]).queue_without_workers is True
+    elif component == "prefix-placement":
+        gateway = container(find(docs, "Deployment", "jitney-gateway"), "gateway")
+        for c in (gateway, worker):
+            assert env(c)["JITNEY_PREFIX_PLACEMENT"] == "1"
+        for command in ("gateway", "worker"):  # both read it so
+            monkeypatch.setenv("JITNEY_PREFIX_PLACEMENT", "1")
+            assert build_parser().parse_args([command]).prefix_placement is True
+        # KEDA scales on the lag of every stream of the model, own streams included.
+        (trigger,) = find(docs, "ScaledObject", "jitney-worker")["spec"]["triggers"]
+        assert trigger["type"] == "prometheus"
+        served = env(worker)["JITNEY_SERVED_MODEL_NAME"]
+        assert trigger["metadata"]["query"] == f'max(jitney_queue_lag{{model="{served}"}})'
     elif component == "model-pvc":
         find(docs, "PersistentVolumeClaim", "jitney-models")
         assert env(worker)["JITNEY_MODEL"].startswith("/models/")

@@ -94,11 +94,13 @@ def _run(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, lis
 def _engine(padded: bool, capture: EmulatedGraphCapture | None = None, **config: object) -> Engine:
     # The gathered path's graphs (its padded widths and workspace); the in-place kernels' are
     # tests/engine/test_triton_decode.py's.
+    # No speculation: its verification steps are not decode-only, so they never take a graph.
     settings = {
         "kv_cache_memory": "160KiB",
         "max_num_seqs": 12,
         "max_num_batched_tokens": 64,
         "decode_attention": "gather",
+        "speculative": "none",
     }
     engine = make_engine(load_model(MODEL), **{**settings, **config})
     if padded:

@@ -244,7 +244,7 @@ def test_abort_under_static_batching_still_finishes_batch_mates(loaded):
 
 
 def run_one(engine: Engine, prompt: list[int], params: SamplingParams, **kw) -> tuple[list, list]:
-    """Tokens and the text delta that came with each token."""
+    """Tokens and the text delta that came with each token (one a step: no speculation)."""
     engine.add_request("r", prompt, params, **kw)
     tokens, deltas = [], []
     while engine.has_unfinished():
@@ -268,10 +268,12 @@ def test_a_taken_over_request_continues_after_the_delivered_tokens(loaded, param
     """A worker taking a request over from a dead one gets the tokens already delivered: it
     recomputes their K/V and continues with exactly the tokens and text a no-fault run gives."""
     prompt = random_prompt(random.Random(5), 37)
-    whole_tokens, whole_deltas = run_one(make_engine(loaded), prompt, params)
+    # Without speculation, so that each delta is one token's (speculating takeovers: the fault
+    # tests in tests/service/test_faults.py).
+    whole_tokens, whole_deltas = run_one(make_engine(loaded, speculative="none"), prompt, params)
     assert len(set(whole_tokens)) > 3  # a real continuation, not one repeated token
     for k in (1, 9, 23):
-        engine = make_engine(loaded)
+        engine = make_engine(loaded, speculative="none")
         rest_tokens, rest_deltas = run_one(
             engine, prompt, params, output_token_ids=whole_tokens[:k]
         )

@@ -18,8 +18,10 @@ def smollm2():
 
 
 def test_chat_prompt_gets_a_sensible_answer(smollm2):
-    """A capital-city question, batched with two others, is answered correctly and ends at EOS."""
+    """A capital-city question, batched with two others, is answered correctly and ends at EOS,
+    on the default forward: the bundled GGUF's own 4-bit blocks (`--quantization auto`)."""
     engine = make_engine(smollm2, kv_cache_memory="256MiB")
+    assert engine.view.forward_name == "jitney-gguf"
     prompts = [
         chat(smollm2, q)
         for q in (
@@ -36,10 +38,15 @@ def test_chat_prompt_gets_a_sensible_answer(smollm2):
 
 
 def test_greedy_matches_transformers_generate(smollm2):
-    """Token-for-token parity with generate() on the real model (or a near-tie)."""
+    """The exact mode (`--quantization none`): token-for-token parity with generate() on the
+    real model (or a near-tie)."""
     ref = load_model("smollm2-135m")
     engine = make_engine(
-        smollm2, kv_cache_memory="256MiB", block_size=16, max_num_batched_tokens=32
+        smollm2,
+        kv_cache_memory="256MiB",
+        block_size=16,
+        max_num_batched_tokens=32,
+        quantization="none",
     )  # chunked prefill on a real model
     prompts = [
         chat(smollm2, "Tell me a short story about a robot."),

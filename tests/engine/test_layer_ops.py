@@ -91,9 +91,11 @@ def _pool(seed: int, num_blocks: int = 24, block_size: int = 16, kv_heads: int =
 
 @native_only
 @pytest.mark.parametrize("window", [None, 20])
-def test_native_decode_matches_gathered_attention_in_place(window):
-    key_cache, value_cache, g = _pool(2)
-    heads, d, bs = 9, 64, 16
+@pytest.mark.parametrize("d", [64, 128, 40])  # AVX-512's 4 and 8 vectors a head, then AVX2's
+def test_native_decode_matches_gathered_attention_in_place(window, d, isa):
+    """Every instruction set's loop (AVX-512 for head sizes in 16s) equals gathered attention."""
+    key_cache, value_cache, g = _pool(2, d=d)
+    heads, bs = 9, 16
     ctx = torch.tensor([1, 16, 17, 100, 333])  # one key, a whole block, one more, long ones
     tables = torch.stack([torch.randperm(24, generator=g) for _ in ctx])
     q = torch.randn(len(ctx), heads, d, generator=g)

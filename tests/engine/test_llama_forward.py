@@ -202,7 +202,7 @@ def resident_weight_bytes(forward: LlamaForward) -> int:
     )
 
 
-def test_smollm2_on_its_own_blocks(smollm2_gguf, smollm2) -> None:
+def test_smollm2_on_its_own_blocks(smollm2_gguf, smollm2, exact_linears) -> None:
     """Kept in the file's Q4_1/Q8_0 blocks, SmolLM2 gives the dequantized model's logits (the
     same weights: only the order of float32 sums differs), within 1.3x the file's bytes."""
     _, tensors = smollm2_gguf

@@ -192,10 +192,10 @@ def test_each_family_replays_its_decode_steps_as_captured_graphs(
         monkeypatch.setattr(paged_attention, "paged_decode_attention", kernel_as_op)
     rng = random.Random(1)
     prompts = [[rng.randrange(1000) for _ in range(n)] for n in (5, 40, 17)]
-    eager = make_engine(load_small(name), kv_cache_memory="16MiB").generate(prompts, greedy(12))
-    graphed = make_engine(
-        load_small(name), kv_cache_memory="16MiB", decode_attention=decode_attention
-    )
+    # No speculation: its verification steps are not decode-only, so they never take a graph.
+    plain = {"kv_cache_memory": "16MiB", "speculative": "none"}
+    eager = make_engine(load_small(name), **plain).generate(prompts, greedy(12))
+    graphed = make_engine(load_small(name), **plain, decode_attention=decode_attention)
     capture = EmulatedGraphCapture()
     graphed.runner.enable_decode_graphs(8, graphed.max_model_len, capture)
     results = graphed.generate(prompts, greedy(12))

@@ -1,4 +1,7 @@
-"""The batched sampler: greedy, temperature, top-k, top-p, counter-based seeds, distributions."""
+"""The batched sampler: greedy, temperature, top-k, top-p, counter-based seeds, distributions.
+
+The module loads the C++ kernels first, so every test here samples through them where they can
+be built; `test_the_cpp_draws_are_the_references` checks them against the torch reference."""
 
 import math
 from collections import Counter
@@ -9,6 +12,7 @@ import pytest
 import torch
 
 from bench.gpu_check import count_sampling_syncs
+from engine.kernels import kernel_backend, reference
 from engine.sampler import (
     TokenHistory,
     adjust_logits,
@@ -20,6 +24,7 @@ from engine.sampler import (
 from generation import SamplingParams
 
 CPU = torch.device("cpu")
+NATIVE = kernel_backend().is_native  # loads the C++ kernels (or says why not)
 DRAWS = 20_000  # draws per distribution check: one batched call, one row per position
 SIGMAS = 5.0  # a token's frequency may be this many binomial standard deviations off
 
@@ -324,3 +329,31 @@ def test_logprobs_reflect_penalties_and_bias_not_temperature():
     assert found is not None
     assert found.logprob == pytest.approx(float(adjusted.log_softmax(-1)[0, 3]), abs=1e-6)
     assert found.logprob > float(logits.log_softmax(-1)[0, 3])
+
+
+@pytest.mark.skipif(not NATIVE, reason=f"C++ kernels not in use: {kernel_backend().reason}")
+def test_the_cpp_draws_are_the_references():
+    """jitney::sample_rows in C++ (the nucleus sorted only as far as needed, sums in double)
+    draws the token the torch reference does, row by row, across top-k, top-p, both and neither,
+    peaked and flat rows; argmax_rows is torch.argmax, NaN and ties included."""
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(30):
+        n, vocab = 64, 3000
+        scale = 0.3 + 8 * torch.rand(n, 1, generator=gen)
+        x = torch.randn(n, vocab, generator=gen) * scale
+        top_k = torch.randint(0, 80, (n,), generator=gen) * (torch.rand(n, generator=gen) < 0.5)
+        top_p = torch.where(
+            torch.rand(n, generator=gen) < 0.6, torch.rand(n, generator=gen), torch.ones(n)
+        )
+        u = torch.rand(n, generator=gen)
+        native = torch.ops.jitney.sample_rows(x, top_k, top_p, u)
+        assert torch.equal(native, reference.sample_rows(x, top_k, top_p, u))
+        assert torch.equal(torch.ops.jitney.argmax_rows(x), x.argmax(dim=-1))
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 5.0, float("nan"), 1.0]])
+    ties = torch.cat([ties, torch.zeros(2, 20)], dim=1)  # past one vector of 8
+    assert torch.ops.jitney.argmax_rows(ties).tolist() == ties.argmax(dim=-1).tolist() == [1, 0]
+    late_nan = torch.zeros(1, 37)
+    late_nan[0, 30] = float("nan")
+    assert torch.ops.jitney.argmax_rows(late_nan).tolist() == [30]
+    with pytest.raises(RuntimeError, match="sample_rows: top_k must be"):
+        torch.ops.jitney.sample_rows(x, top_k.int(), top_p, u)

@@ -1,46 +1,15 @@
 """Speculative decoding in the engine (n-gram drafts): the tokens are plain decoding's, stops
-cut where plain decoding stops, rows that cannot speculate are untouched, and the block pool
+cut where plain decoding stops, rows of every kind speculate side by side, and the block pool
 adds up after every step."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.llm_engine import Engine
 from engine.models.model_loader import LoadedModel
 from generation.sampling_params import SamplingParams
 from tests.engine.engine_helpers import make_engine
-
-# Random weights loop quickly, so their greedy replies repeat spans: drafts get accepted.
-PROMPTS = [[5, 6, 7, 8, 9] * 4, list(range(3, 40)), [11, 12, 13, 11, 12, 13, 14] * 2]
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-
-
-def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list]:
-    """Every request to the end, step by step (the pool checked after each): request id ->
-    each choice's tokens, then the text and finish reason of choice 0."""
-    tokens: dict[str, dict[int, list[int]]] = {}
-    ends: dict[str, tuple[str, str | None]] = {}
-    text: dict[str, str] = {}
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, params)
-        tokens[f"r{i}"] = {}
-        text[f"r{i}"] = ""
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id].setdefault(out.index, []).extend(out.new_token_ids)
-            if out.index == 0:
-                text[out.request_id] += out.delta_text
-                if out.finished:
-                    ends[out.request_id] = (text[out.request_id], out.finish_reason)
-        engine.block_manager.check_integrity()
-    return {rid: [sorted(t.items()), ends[rid]] for rid, t in tokens.items()}
-
-
-def both(loaded: LoadedModel, requests, **config) -> tuple[dict, dict, Engine]:
-    off = make_engine(loaded, kv_cache_memory="16MiB", **config)
-    on = make_engine(loaded, kv_cache_memory="16MiB", speculative="ngram", **config)
-    return run(off, requests), run(on, requests), on
+from tests.engine.speculation_helpers import GREEDY, PROMPTS, both, run
 
 
 @pytest.mark.parametrize(
@@ -98,7 +67,7 @@ def test_stop_strings_and_stop_tokens_cut_where_plain_decoding_stops(loaded: Loa
     assert engine.stats.num_accepted_tokens_total > 0
 
 
-def test_rows_that_do_not_speculate_are_untouched_beside_those_that_do(loaded: LoadedModel):
+def test_rows_of_every_kind_side_by_side_keep_plain_decoding_s_tokens(loaded: LoadedModel):
     sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     with_logprobs = SamplingParams(max_tokens=30, temperature=0, logprobs=2, ignore_eos=True)
     penalised = SamplingParams(

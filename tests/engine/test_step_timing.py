@@ -28,7 +28,8 @@ def test_every_phase_of_a_working_step_is_timed_and_they_cover_the_step(loaded):
         assert (idle_check > 0) == (not engine.has_unfinished())
         outside = time.perf_counter() - start - idle_check
         timing = engine.last_step_timing
-        assert all(seconds > 0 for seconds in timing.as_dict().values()), timing
+        assert timing.propose == 0  # no draft model
+        assert all(s > 0 for phase, s in timing.as_dict().items() if phase != "propose"), timing
         assert timing.total <= outside
         assert timing.total == pytest.approx(outside, rel=0.05, abs=2e-4)
         assert timing.overhead == pytest.approx(timing.total - timing.forward)
@@ -48,7 +49,7 @@ def test_step_timings_accumulate_phase_by_phase():
     total = StepTiming()
     total.add(StepTiming(schedule=1.0, forward=2.0))
     total.add(StepTiming(forward=0.5, sample=0.25, postprocess=0.125, prepare=4.0))
-    assert total.as_dict() == dict(zip(PHASES, (1.0, 4.0, 2.5, 0.25, 0.125), strict=True))
+    assert total.as_dict() == dict(zip(PHASES, (0.0, 1.0, 4.0, 2.5, 0.25, 0.125), strict=True))
     assert total.total == 7.875 and total.overhead == 5.375
 
 

@@ -24,7 +24,14 @@ from typing import Any
 import redis
 
 from engine.models.tiny_model import build_tiny_tokenizer
-from protocol import HEARTBEAT_INTERVAL_S, Keys, ModelCard, ReplyMessage, RequestMessage
+from protocol import (
+    HEARTBEAT_INTERVAL_S,
+    Keys,
+    ModelCard,
+    ReplyMessage,
+    RequestMessage,
+    pack_vector,
+)
 from tests.services import JitneyProcess, RedisServer, free_port, wait_for
 from worker.redis_io import EntryRef, Outbox, WorkerRedis
 
@@ -303,7 +310,8 @@ class KeepHeartbeat:
 
 class AnsweringWorker(KeepHeartbeat):
     """Plays a worker from a thread: every request read from the queue gets one final reply at
-    once ("ok", finish_reason stop), so accepted requests end quickly."""
+    once ("ok", finish_reason stop; an embedding's, a vector), so accepted requests end
+    quickly."""
 
     def __init__(self, r: redis.Redis):
         super().__init__(r)
@@ -319,5 +327,8 @@ class AnsweringWorker(KeepHeartbeat):
             for request in self.worker.read(64, 100):
                 n = request.sampling_params.n
                 replies = [replies_for(request, ["ok"], index=i, first_seq=i)[0] for i in range(n)]
+                if request.embed:
+                    replies = [ReplyMessage(request.request_id, 0, finish_reason="stop")]
+                    replies[0].embedding = pack_vector([0.5, -0.5, 0.5, 0.5])
                 self.worker.send(request, replies)
                 self.answered += 1

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.client import HTTPConnection
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -33,7 +34,8 @@ from tests.services import RedisServer, wait_for
 SECRET = "SECRET-d4e5"  # planted in every string a body carries; no error may repeat it
 MAX_BODY = 65_536
 EXAMPLES = 2_000
-ENQUEUING = ("/v1/completions", "/v1/chat/completions")  # a 200 there is one queue entry
+# A 200 there is one queue entry per prompt (per input: embeddings).
+ENQUEUING = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")
 ROUTES = (*ENQUEUING, "/tokenize", "/detokenize")
 
 
@@ -48,9 +50,11 @@ class Live:
 def live(card: ModelCard) -> Iterator[Live]:
     server = RedisServer().start()
     r = server.client()
-    publish_card(r, card)
+    publish_card(r, replace(card, embedding_size=4))  # the answering worker's vectors' size
     worker = AnsweringWorker(r).__enter__()
-    gateway = start_gateway(server, "--max-body-bytes", str(MAX_BODY))
+    # A reasoning parser: chat and Responses answers ("ok") go through the reasoning split.
+    flags = ("--max-body-bytes", str(MAX_BODY), "--reasoning-parser", "deepseek_r1")
+    gateway = start_gateway(server, *flags)
 
     def ready() -> bool:
         assert gateway.proc.alive(), gateway.proc.output()
@@ -108,6 +112,7 @@ message = st.fixed_dictionaries(
             ),
         ),
         "name": unicode | st.integers(),
+        "reasoning_content": unicode | random_json,
     },
 )
 sampling: dict[str, st.SearchStrategy[Any]] = {
@@ -148,6 +153,11 @@ sampling: dict[str, st.SearchStrategy[Any]] = {
     "continue_final_message": st.booleans() | marked,
     "chat_template_kwargs": st.dictionaries(marked, random_json, max_size=3) | random_json,
     "tokens": token_ids | random_json,
+    # /v1/embeddings
+    "encoding_format": st.sampled_from(["float", "base64", SECRET]) | random_json,
+    "dimensions": st.integers(-2, 6) | huge_int | marked | st.floats(),
+    "user": unicode | st.integers() | st.none(),
+    "normalize": st.booleans() | marked,
     SECRET: random_json,
 }
 completion = st.fixed_dictionaries({"prompt": prompt}, optional=sampling)
@@ -175,6 +185,61 @@ plausible = st.fixed_dictionaries({"prompt": unicode | token_ids | prompts}, opt
     )
 )
 detokenizable = st.fixed_dictionaries({"tokens": token_ids}, optional=good)
+embedding = st.fixed_dictionaries({"input": prompt}, optional=sampling)
+embeddable = st.fixed_dictionaries(
+    {"input": unicode | token_ids | prompts},
+    optional={**good, "encoding_format": st.sampled_from(["float", "base64"])},
+)
+# /v1/responses: input items of every type (and others), the API's own fields
+input_item = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(
+            ["message", "function_call", "function_call_output", "reasoning", SECRET]
+        )
+    },
+    optional={
+        "role": st.sampled_from(["user", "assistant", "developer", SECRET]),
+        "content": unicode | st.lists(random_json, max_size=2),
+        "call_id": unicode | st.integers(),
+        "name": unicode,
+        "arguments": unicode | random_json,
+        "output": unicode | random_json,
+        "encrypted_content": st.none() | unicode,
+        "summary": random_json,
+    },
+)
+responses_fields: dict[str, st.SearchStrategy[Any]] = {
+    "instructions": unicode | random_json,
+    "max_output_tokens": st.integers(-2, 80) | huge_int | marked,
+    "text": st.fixed_dictionaries(
+        {
+            "format": st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "json_object", "json_schema", SECRET])},
+                optional={"schema": random_json, "name": unicode, "strict": st.booleans()},
+            )
+        }
+    )
+    | random_json,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | random_json,
+    "store": st.booleans() | marked,
+    "previous_response_id": marked | st.just("resp_" + "0" * 32),
+    "metadata": st.dictionaries(marked, unicode, max_size=3) | random_json,
+    "background": st.booleans() | marked,
+    "truncation": st.sampled_from(["auto", "disabled"]) | marked,
+    "include": random_json,
+}
+responses = st.fixed_dictionaries(
+    {"input": st.lists(input_item, max_size=3) | unicode | random_json},
+    optional={**sampling, **responses_fields},
+)
+answerable = st.fixed_dictionaries(
+    {"input": unicode | st.lists(good_message, min_size=1, max_size=2)},
+    optional={
+        **{k: v for k, v in good.items() if k != "max_tokens"},
+        "max_output_tokens": st.integers(1, 30),
+        "store": st.booleans(),
+    },
+)
 
 
 def encode(obj: Any, ascii_only: bool) -> bytes:
@@ -182,16 +247,28 @@ def encode(obj: Any, ascii_only: bool) -> bytes:
     return json.dumps(obj, ensure_ascii=ascii_only, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
-def num_entries(body: bytes) -> int:
-    """Queue entries of an accepted generation request: one per prompt of a list."""
-    prompt = json.loads(body).get("prompt")
+def num_entries(body: bytes, route: str) -> int:
+    """Queue entries of an accepted request: one per prompt (input) of a list."""
+    prompt = json.loads(body).get("input" if route == "/v1/embeddings" else "prompt")
     several = isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt)
     return len(prompt) if several and len(prompt) > 1 else 1
 
 
 shaped = st.builds(
     encode,
-    st.one_of(completion, chat, plausible, plausible, detokenizable, random_json),
+    st.one_of(
+        completion,
+        chat,
+        plausible,
+        plausible,
+        detokenizable,
+        embedding,
+        embeddable,
+        responses,
+        answerable,
+        answerable,
+        random_json,
+    ),
     st.booleans(),
 )
 bodies = st.one_of(
@@ -255,7 +332,7 @@ def test_fuzzed_bodies_never_crash_and_never_enqueue_rejects(live: Live) -> None
         tally.statuses[status] = tally.statuses.get(status, 0) + 1
         assert status < 500, (status, raw[:300], body[:300])
         if status == 200:
-            tally.accepted += num_entries(body) if route in ENQUEUING else 0
+            tally.accepted += num_entries(body, route) if route in ENQUEUING else 0
             return
         text = raw.decode()
         assert SECRET not in text, (status, text[:300])
@@ -271,3 +348,28 @@ def test_fuzzed_bodies_never_crash_and_never_enqueue_rejects(live: Live) -> None
     assert enqueued_total(live.server.client()) == tally.accepted, tally
     assert tally.accepted > 0 and tally.statuses.get(400, 0) > EXAMPLES // 2, tally
     print(f"fuzz: {tally}")
+
+
+def test_fuzzed_response_ids_are_404s(live: Live) -> None:
+    """GET and DELETE /v1/responses/{id} with ids of any shape: a 404 (or a 400 for a query
+    option) in OpenAI's error body, quoting nothing."""
+    conn = HTTPConnection("127.0.0.1", live.gateway.port, timeout=60)
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None)
+    @given(
+        method=st.sampled_from(["GET", "DELETE"]),
+        response_id=st.text(min_size=1, max_size=60).map(lambda s: SECRET + s),
+        query=st.sampled_from(["", "?stream=true", "?include[]=x", "?stream=false"]),
+    )
+    def send(method: str, response_id: str, query: str) -> None:
+        conn.request(method, "/v1/responses/" + quote(response_id, safe="") + query)
+        response = conn.getresponse()
+        raw = response.read().decode()
+        assert response.status in (400, 404), (response.status, raw[:300])
+        assert SECRET not in raw
+        assert_openai_error(json.loads(raw))
+
+    try:
+        send()
+    finally:
+        conn.close()

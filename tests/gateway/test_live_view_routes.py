@@ -1,18 +1,22 @@
-"""GET /ui and /ui/events in-process: the merged frame, what it leaves out, auth."""
+"""GET /ui and /ui/events in-process: the merged frame, what it leaves out, auth; the page in
+headless Chromium."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 from typing import Any
 
+import aiohttp
 import redis
 from aiohttp.test_utils import TestClient
 
 from gateway.config import ApiKey
 from protocol.snapshot import BatchSnapshot, Seat
 from tests.gateway.helpers import KEYS, MODEL, REQUESTS, MakeClient, heartbeat
+from tests.observability.cdp import Page, chromium
 
 KEY = "sk-live-view-test"
 
@@ -86,3 +90,33 @@ async def test_the_page_opens_without_a_key_but_its_data_needs_one(
     assert (await client.get("/ui", headers={"Authorization": f"Bearer {KEY}"})).status == 200
     frame = await first_frame(client, Authorization=f"Bearer {KEY}")
     assert frame["workers"] == []
+
+
+async def test_the_page_shows_the_tokens_each_decoding_seat_got_from_its_last_step(
+    sync_redis: redis.Redis, make_client: MakeClient
+) -> None:
+    """Speculative decoding: a seat whose last step kept drafts shows the count over its bar and
+    in its title, and the worker's line the mean over its decoding seats (3 and 1: 2.00)."""
+    snap = snapshot("w1", ["decode", "decode", "prefill"])
+    for seat, tokens in zip(snap.seats, (3, 1, 0), strict=True):
+        seat.step_tokens = tokens
+    heartbeat(sync_redis, "w1")
+    sync_redis.set(KEYS.live_batch("w1"), snap.encode())
+    client = await make_client()
+    seats_js = """JSON.stringify([...document.querySelectorAll('.seat:not(.free)')]
+      .map(s => [s.dataset.step, s.textContent, s.title]))"""
+    with chromium() as port:
+        async with aiohttp.ClientSession() as session:
+            page = await Page.open(session, port)
+            await page.call("Page.navigate", url=str(client.make_url("/ui")))
+            for _ in range(100):
+                shown = await page.evaluate(
+                    "(document.querySelector('.steptokens') || {}).textContent || ''"
+                )
+                if shown:
+                    break
+                await asyncio.sleep(0.1)
+            seats = json.loads(await page.evaluate(seats_js))
+    assert shown == "2.00 tokens/step"
+    assert [s[:2] for s in seats] == [["3", "3"], ["1", ""], ["0", ""]]
+    assert "last step gave 3 tokens" in seats[0][2] and "last step gave 1 token" in seats[1][2]

@@ -116,6 +116,11 @@ def test_dashboard_covers_what_the_issue_asks_for(dashboard):
     assert queried("jitney_gateway_waiting_requests", "by (priority)")
     assert queried("jitney_key_tokens_total", "by (key_id", "rate(")
     assert queried("jitney_queue_lag", "by (model)")
+    # Prefix-aware placement: each worker's hit rate, where requests waited, and how long.
+    assert queried("jitney_prefix_cache_hits_total", "by (worker)", "jitney_prefix_cache_queries")
+    assert queried("jitney_placement_reads_total", "by (outcome)", "rate(")
+    for q in ("0.5", "0.99"):
+        assert queried("jitney_placement_wait_seconds_bucket", f"histogram_quantile({q},")
     per_worker = [e for e in exprs if "by (worker)" in e]
     assert {"jitney_generation_tokens_total", "jitney_requests_running"} <= set().union(
         *map(metric_names, per_worker)

@@ -126,6 +126,9 @@ async def watch_page(port: int, base: str, screenshot: Path) -> None:
         assert all(after[i] >= before[i] for i in before.keys() & after.keys())
         lag = await page.evaluate("document.getElementById('lag').textContent")
         assert re.fullmatch(r"\d+", lag), lag
+        prefix = await page.evaluate("document.querySelector('section.worker .prefix').textContent")
+        words = r"prefix hits \d+% · placed \d+ · shared \d+ · stolen \d+ · waited [\d.]+ ms"
+        assert re.fullmatch(words, prefix), prefix
         assert all(n > 0 for n in await page.evaluate(CANVAS_JS)), "an occupancy strip is blank"
         await page.screenshot(screenshot)
 

@@ -73,7 +73,29 @@ def test_ids_are_short_hashes_unless_full_ids_and_the_snapshot_round_trips(loade
     again = BatchSnapshot.decode(full.encode())
     assert again.to_dict() == full.to_dict()
     assert all(s.phase in PHASES for s in again.seats)
-    assert len(full.encode()) < 600
+    assert len(full.encode()) < 680
+
+
+def test_the_snapshot_says_the_prefix_hit_rate_and_where_requests_waited(loaded):
+    """Half the prompt tokens of two runs of one 32-token prompt (block 16) come from the
+    cache: the second run's first block (its last must be computed to sample)."""
+    engine = make_engine(loaded, block_size=16)
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, list(range(5, 37)), SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+    reads = {"own": 3, "shared": 1, "wait_s": 0.02}
+    snap = build_snapshot(engine, "w1", "tiny-random", reads=reads)
+    assert snap.prefix == {
+        "hit_rate": 0.25,
+        "own": 3.0,
+        "shared": 1.0,
+        "stolen": 0.0,
+        "wait_ms": 5.0,
+    }
+    assert BatchSnapshot.decode(snap.encode()).prefix == snap.prefix
+    older = {k: v for k, v in snap.to_dict().items() if k != "prefix"}  # a worker before it
+    assert BatchSnapshot.from_dict(older).prefix is None
 
 
 def test_a_publish_failure_never_reaches_the_loop_and_backs_off(loaded, caplog):
@@ -86,3 +108,23 @@ def test_a_publish_failure_never_reaches_the_loop_and_backs_off(loaded, caplog):
     publisher.maybe_publish(engine)
     publisher.maybe_publish(engine)  # backed off: no second attempt, no second warning
     assert [r.message for r in caplog.records] == ["live_view_unpublished error=ConnectionError"]
+
+
+def test_a_seat_says_how_many_tokens_its_last_step_gave(loaded):
+    """Decoding seats say 1 without speculation; with the target as its own draft, the steps
+    that keep drafts give a seat several tokens, and the snapshot carries the count."""
+    seen: dict[str, set[int]] = {}
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for name, config in (
+        ("plain", {"speculative": "none"}),
+        ("draft", {"speculative_model": "tiny-random"}),
+    ):
+        engine = make_engine(loaded, kv_cache_memory="16MiB", **config)
+        engine.add_request("r", [5, 6, 7, 8, 9] * 4, params)
+        seen[name] = set()
+        while engine.has_unfinished():
+            engine.step()
+            snap = BatchSnapshot.decode(build_snapshot(engine, "w1", "tiny-random").encode())
+            seen[name] |= {s.step_tokens for s in snap.seats if s.phase == "decode"}
+    assert seen["plain"] == {1}
+    assert max(seen["draft"]) > 1

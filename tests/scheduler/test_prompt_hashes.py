@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from generation.block_hash import hash_block
 from scheduler import KVBlockManager
-from scheduler.block_manager import hash_block
 from tests.factories import make_seq, run_step
 
 

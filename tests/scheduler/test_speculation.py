@@ -8,6 +8,7 @@ import pytest
 from scheduler import (
     ContinuousBatching,
     KVBlockManager,
+    SamplingLimits,
     SchedulerConfig,
     Sequence,
     SequenceStatus,
@@ -19,19 +20,19 @@ from scheduler.speculation import NgramProposer
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_tail():
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3]
     # The tail 1 2 3 last appeared at index 4: what followed it there comes next.
-    assert NgramProposer(3, 2).propose(tokens, 2) == [8, 7]
-    assert NgramProposer(3, 2).propose(tokens, 10) == [8, 7, 1, 2, 3]
+    assert NgramProposer(3, 2).lookup(tokens, 2) == [8, 7]
+    assert NgramProposer(3, 2).lookup(tokens, 10) == [8, 7, 1, 2, 3]
 
 
 def test_ngram_tries_the_longest_tail_first_and_gives_nothing_without_a_match():
     # Tail "5 6" matches at 0 (then 7); the longer tail "4 5 6" matches at 3 (then 1).
     tokens = [5, 6, 7, 4, 5, 6, 1, 4, 5, 6]
-    assert NgramProposer(3, 2).propose(tokens, 1) == [1]
-    assert NgramProposer(2, 2).propose(tokens, 1) == [1]  # "5 6" latest at 4, then 1
-    assert NgramProposer(4, 2).propose([1, 2, 3, 4], 3) == []
-    assert NgramProposer(4, 2).propose([1, 1], 3) == []  # a tail needs one earlier copy
-    assert NgramProposer(4, 1).propose([1, 2, 1], 3) == [2, 1]
-    assert NgramProposer(3, 2).propose(tokens, 0) == []
+    assert NgramProposer(3, 2).lookup(tokens, 1) == [1]
+    assert NgramProposer(2, 2).lookup(tokens, 1) == [1]  # "5 6" latest at 4, then 1
+    assert NgramProposer(4, 2).lookup([1, 2, 3, 4], 3) == []
+    assert NgramProposer(4, 2).lookup([1, 1], 3) == []  # a tail needs one earlier copy
+    assert NgramProposer(4, 1).lookup([1, 2, 1], 3) == [2, 1]
+    assert NgramProposer(3, 2).lookup(tokens, 0) == []
 
 
 def test_a_bad_speculative_config_is_refused():
@@ -78,6 +79,7 @@ def test_a_verification_keeps_the_accepted_drafts_and_gives_back_the_rejected_sl
     policy.update(plan, {"a": 9}, accepted={"a": [5, 1]})
     policy.kv.check_integrity()
     assert seq.output_token_ids == [4, 5, 1, 9]
+    assert seq.num_step_tokens == 3  # what the live view shows
     assert seq.num_computed_tokens == 11  # the fed 4 and the accepted 5 1 hold K/V
     assert seq.num_uncomputed_tokens == 1 and seq.draft_token_ids == []
     assert len(policy.kv.block_ids("a")) == policy.kv.blocks_for(11)  # 3 blocks, not 4
@@ -102,6 +104,7 @@ def test_drafts_never_pass_max_tokens_and_an_accepted_stop_token_ends_the_sequen
     policy.kv.check_integrity()
     assert short.output_token_ids == [4, 5, 7] and short.status is SequenceStatus.FINISHED_LENGTH
     assert stopping.output_token_ids == [4, 5, 1]  # 1 is a stop token: 2 and 7 are not kept
+    assert (short.num_step_tokens, stopping.num_step_tokens) == (2, 2)
     assert stopping.status is SequenceStatus.FINISHED_STOPPED
     assert set(done) == {short, stopping}
     assert policy.kv.num_used_blocks == 0
@@ -146,6 +149,7 @@ def test_drafts_take_no_block_that_a_running_sequence_needs_this_step():
     policy.update(plan, {c.seq_id: 5 for c in plan.chunks})
     policy.kv.check_integrity()
     assert policy.kv.num_free_blocks == 0
+    assert a.num_step_tokens == b.num_step_tokens == 1  # plain decodes
 
 
 def test_a_trimmed_allocation_is_a_new_block_list():
@@ -159,3 +163,51 @@ def test_a_trimmed_allocation_is_a_new_block_list():
     assert kv.block_ids("a") is not before and len(kv.block_ids("a")) == 2
     assert kv.trim(seq, 6) == 0
     kv.check_integrity()
+
+
+def test_num_drafts_is_what_one_decoding_sequence_may_verify_in_a_step():
+    """What a model proposer computes before the plan, per sequence: within k, the step's
+    rows, max_tokens, and one more than its last verification kept."""
+    spec = SpeculativeConfig("draft", num_speculative_tokens=4, max_step_tokens=5)
+    seq = _repeating("a", max_tokens=4)
+    assert spec.num_drafts(seq, 1) == 0  # no output yet: its prompt is still to compute
+    seq.output_token_ids, seq.num_computed_tokens = [4], 8
+    assert spec.num_drafts(seq, 1) == 2  # 1 output + 2 drafts + the sampled token = 4
+    seq.limits = SamplingLimits(20)
+    assert [spec.num_drafts(seq, rows) for rows in (1, 3, 5)] == [4, 2, 0]
+    seq.max_draft_tokens = 1  # its last verification kept none
+    assert spec.num_drafts(seq, 1) == 1
+    seq.speculates = False
+    assert spec.num_drafts(seq, 1) == 0
+
+
+def test_a_sequence_whose_drafts_keep_failing_waits_longer_before_proposing_again():
+    """Verifications that keep nothing pause proposals for 1, 2, 4, ... plain decodes (up to
+    32), so text that never repeats pays for a draft rarely; a kept draft ends the pause. Every
+    token here continues the prompt's cycle 1..5, so a lookup always finds drafts: only the
+    pause holds them back."""
+    policy = _policy(num_blocks=64)
+    seq = _repeating("a", max_tokens=200)
+
+    def next_in_cycle() -> int:
+        return seq.token_ids(seq.num_tokens - 1, seq.num_tokens)[0] % 5 + 1
+
+    policy.add_request(seq)
+    _prefill_and_first_token(policy, 4)
+    waits = []
+    for _ in range(3):  # three verifications in a row keep nothing
+        plan = policy.schedule(1)
+        assert plan.chunks[0].num_draft_tokens > 0
+        policy.update(plan, {"a": next_in_cycle()}, accepted={"a": []})
+        plain = 0
+        while not (plan := policy.schedule(1)).chunks[0].num_draft_tokens:
+            policy.update(plan, {"a": next_in_cycle()})
+            policy.kv.check_integrity()
+            plain += 1
+        waits.append(plain)
+    assert waits == [1, 2, 4]
+    assert seq.num_draft_misses == 3
+    kept = seq.draft_token_ids[:1]
+    policy.update(plan, {"a": 9}, accepted={"a": kept})
+    assert (seq.num_draft_misses, seq.draft_pause) == (0, 0)  # a kept draft: no more waiting
+    policy.kv.check_integrity()

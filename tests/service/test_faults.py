@@ -66,15 +66,22 @@ def kv_idle(worker: Worker) -> bool:
 
 
 SPECULATING = ("--speculative", "ngram", "--speculative-max-step-tokens", "64")
+# The target as its own draft: its proposals are nearly always kept, so a step gives several
+# tokens; the survivor's draft model catches each taken-over sequence up from its prompt.
+DRAFTING = ("--speculative-model", MODEL, "--speculative-max-step-tokens", "64")
 
 
-@pytest.mark.parametrize("flags", [(), SPECULATING], ids=["plain", "speculating"])
+@pytest.mark.parametrize(
+    "flags", [(), SPECULATING, DRAFTING], ids=["plain", "speculating", "draft-model"]
+)
 async def test_worker_killed_mid_generation_loses_and_repeats_nothing(flags: tuple[str, ...]):
     """12 concurrent greedy streams over two workers; one worker is SIGKILLed at a random
     moment mid-generation. The other takes its requests over (lease expiry, fence, XCLAIM) and
     continues after the tokens already delivered: every client's text equals a no-fault run.
     Speculating, the victim dies between verifications that gave several tokens a step."""
-    n, prompts = 160, random_prompts(11, 12)
+    # Speculating, a step gives up to five tokens: longer replies keep every request in
+    # flight past the kill (160 tokens were done within the wait, some runs).
+    n, prompts = (480 if flags else 160), random_prompts(11, 12)
     body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     with running_system(("k1", "k2"), worker_flags=flags) as system:
         r = system.server.client()

@@ -1,106 +1,59 @@
-// GGUF blocks as the kernels read them (engine/kernels/csrc/quant_linear.cpp): one block's 32
-// quants unpacked to float32 vectors, the packed matrix, prefetching, and dequantizing whole rows.
+// GGUF blocks as the kernels read them: the packed layout, the instruction sets, and the entry
+// points each instruction set's file provides (quant_linear.cpp dispatches between them).
+//
+// Packed layout (engine/kernels/packed_weights.py packs it, engine/kernels/reference.py defines
+// it in torch): a matrix of N rows and K = 32 * NB columns is G = ceil(N/16) groups of 16 rows; a
+// group's NB records follow each other, groups follow each other, so a matrix is one stream.
+// A record holds block b (elements 32b..32b+31) of the group's 16 rows, element-major, one row per
+// lane of a 16-float vector:
+//   Q4_1, 320 bytes:  [16 pairs][16 rows] uint8, low nibble element 2p, high nibble 2p+1;
+//                     then d [16] f16, m [16] f16       (w = d * q + m)
+//   Q8_0, 544 bytes:  [32 elements][16 rows] int8; then d [16] f16   (w = d * q)
+// Rows past N (the last group's padding) have zero quants and scales.
 #pragma once
-
-#include <immintrin.h>
 
 #include <cstdint>
 
 namespace jitney_kernels {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kGroup = 16;
 
-// One block's 32 quants as four vectors of 8 floats: elements 0-7, 8-15, 16-23, 24-31.
-struct Q4_1 {
-  static constexpr bool kHasMin = true;
-  static constexpr int64_t kBlockBytes = 16;
-  static inline void unpack(const uint8_t* p, __m256 q[4]) {
-    const __m256i low4 = _mm256_set1_epi32(0x0F);
-    // Bytes 0-7 zero-extended to int32: low nibbles are elements 0-7, high nibbles 16-23.
-    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
-    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
-    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+enum class Kind : int { kQ4_1 = 0, kQ8_0 = 1 };  // engine/kernels/reference.py MATRIX_KINDS
+
+constexpr int64_t record_bytes(Kind kind) { return kind == Kind::kQ4_1 ? 320 : 544; }
+constexpr int64_t scales_offset(Kind kind) { return kind == Kind::kQ4_1 ? 256 : 512; }
+
+struct PackedMatrix {
+  const uint8_t* base;
+  Kind kind;
+  int64_t G, NB, N;  // groups, blocks per row, true rows (<= 16 G)
+  int64_t K() const { return NB * kBlock; }
+  const uint8_t* record(int64_t g, int64_t b) const {
+    return base + (g * NB + b) * record_bytes(kind);
   }
+  // Rows of group g that exist (16 but in a partial last group).
+  int64_t rows_in(int64_t g) const { return N - g * kGroup < kGroup ? N - g * kGroup : kGroup; }
 };
 
-struct Q8_0 {
-  static constexpr bool kHasMin = false;
-  static constexpr int64_t kBlockBytes = 32;
-  static inline void unpack(const uint8_t* p, __m256 q[4]) {
-    for (int i = 0; i < 4; ++i) {
-      const auto* src = reinterpret_cast<const __m128i*>(p + 8 * i);
-      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(src)));
-    }
-  }
-};
+// The instruction sets the kernels are written for, in order; a CPU runs the highest it has
+// (cpu_isa.cpp), or a lower one when capped (JITNEY_KERNEL_ISA, jitney_set_isa).
+enum Isa : int { kAvx2 = 0, kAvx512 = 1, kAmx = 2 };
+int active_isa();
 
-struct Packed {
-  const uint8_t* qs;
-  const float* d;
-  const float* m;  // nullptr for Q8_0
-  int64_t N, K, NB;
-};
+// y[t, n] for groups [g0, g1) and all T tokens, ldy = y's row stride; x [T, K] contiguous, sx
+// [T, NB] the per-block sums of x (Q4_1's minimum term; nullptr for Q8_0).
+void gemv_avx2(const PackedMatrix& w, const float* x, const float* sx, int64_t T, float* y,
+               int64_t ldy, int64_t g0, int64_t g1);
+void gemv_avx512(const PackedMatrix& w, const float* x, const float* sx, int64_t T, float* y,
+                 int64_t ldy, int64_t g0, int64_t g1);
+// The whole product with AMX tiles (bf16 weights and activations, float32 sums); xb is x in
+// bf16, [ceil(T/16) * 16, K] with zero rows past T.
+void amx_linear(const PackedMatrix& w, const uint16_t* xb, int64_t T, float* y, int64_t ldy);
+void to_bf16_rows(const float* x, int64_t T, int64_t K, uint16_t* out);
+bool amx_usable();  // the CPU has AMX-BF16 and the kernel let this process use its tiles
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// The rows are contiguous and read in order, but the hardware prefetcher alone leaves the kernel
-// waiting on memory (measured: 2-3x slower on matrices that do not fit in cache, ~1x on ones that
-// do). So each block asks for the same block kPrefetchRows rows further on (4-6 KiB ahead); past
-// the end of the arrays the hint is dropped, it never faults.
-constexpr int64_t kPrefetchRows = 8;
-
-template <class Fmt>
-inline void prefetch_ahead(const Packed& w, int64_t n, int64_t b) {
-  const int64_t ahead = n + kPrefetchRows;
-  _mm_prefetch(reinterpret_cast<const char*>(w.qs + (ahead * w.NB + b) * Fmt::kBlockBytes),
-               _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(w.d + ahead * w.NB + b), _MM_HINT_T0);
-  if constexpr (Fmt::kHasMin) {
-    _mm_prefetch(reinterpret_cast<const char*>(w.m + ahead * w.NB + b), _MM_HINT_T0);
-  }
-}
-
-// Rows n0..n0+rows of w as float32 [rows, K] (d*q + m, bit-exact with gguf's dequantize: d*q is
-// exact in float32, so the fused multiply-add rounds once, like the separate add).
-template <class Fmt>
-void dequantize_rows(const Packed& w, int64_t n0, int64_t rows, float* out) {
-  const int64_t row_bytes = w.NB * Fmt::kBlockBytes;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = n0 + r;
-    for (int64_t b = 0; b < w.NB; ++b) {
-      __m256 q[4];
-      prefetch_ahead<Fmt>(w, n, b);
-      Fmt::unpack(w.qs + n * row_bytes + b * Fmt::kBlockBytes, q);
-      const __m256 dv = _mm256_broadcast_ss(w.d + n * w.NB + b);
-      float* o = out + r * w.K + b * kBlock;
-      for (int i = 0; i < 4; ++i) {
-        __m256 v;
-        if constexpr (Fmt::kHasMin) {
-          v = _mm256_fmadd_ps(q[i], dv, _mm256_broadcast_ss(w.m + n * w.NB + b));
-        } else {
-          v = _mm256_mul_ps(q[i], dv);
-        }
-        _mm256_storeu_ps(o + 8 * i, v);
-      }
-    }
-  }
-}
+// Groups [g0, g1) dequantized into float32 columns: out[k * ldo + 16 (g - g0) + r] = w[16 g + r, k].
+void dequantize_columns(const PackedMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo);
 
 }  // namespace jitney_kernels

@@ -9,8 +9,8 @@
 //
 // tensors: kTensorsPerLayer per layer, in this order (an empty tensor: absent):
 //   input_norm, post_norm, q_norm, k_norm,
-//   then per matrix (qkv, o, gate_up, down): qs, d, m (Q4_1 only), bias
-// matrices: per layer and matrix, (kind: 0 Q4_1, 1 Q8_0; panel_min_tokens)
+//   then per matrix (qkv, o, gate_up, down): blocks, bias
+// matrices: per layer and matrix, (kind: 0 Q4_1, 1 Q8_0; rows; batched_min_tokens)
 // kv: the whole pool, [layers, 2 (K, V), blocks, block_size, KV, D]; windows: per layer, 0 = none
 
 #include <ATen/core/Tensor.h>
@@ -29,13 +29,13 @@ using namespace jitney_kernels;
 
 constexpr int64_t kVectors = 4;
 constexpr int64_t kMatrices = 4;
-constexpr int64_t kTensorsPerMatrix = 4;
+constexpr int64_t kTensorsPerMatrix = 2;
+constexpr int64_t kIntsPerMatrix = 3;
 constexpr int64_t kTensorsPerLayer = kVectors + kMatrices * kTensorsPerMatrix;
 
-at::Tensor linear(const at::Tensor& h, const at::Tensor* t, int64_t kind, int64_t panel_min_tokens) {
-  at::Tensor y = kind == 0 ? q4_1_linear(h, t[0], t[1], t[2], panel_min_tokens)
-                           : q8_0_linear(h, t[0], t[1], panel_min_tokens);
-  if (t[3].numel() > 0) y.add_(t[3]);
+at::Tensor linear(const at::Tensor& h, const at::Tensor* t, const int64_t* m) {
+  at::Tensor y = quant_linear(h, t[0], m[0], m[1], m[2]);
+  if (t[1].numel() > 0) y.add_(t[1]);
   return y;
 }
 
@@ -52,12 +52,8 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
   const int64_t L = static_cast<int64_t>(windows.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == L * kTensorsPerLayer, op, ": ",
               tensors.size(), " tensors for ", L, " layers (", kTensorsPerLayer, " each)");
-  TORCH_CHECK(static_cast<int64_t>(matrices.size()) == L * kMatrices * 2, op, ": ",
+  TORCH_CHECK(static_cast<int64_t>(matrices.size()) == L * kMatrices * kIntsPerMatrix, op, ": ",
               matrices.size(), " matrix entries for ", L, " layers");
-  for (int64_t i = 0; i < L * kMatrices; ++i) {
-    TORCH_CHECK(matrices[2 * i] == 0 || matrices[2 * i] == 1, op, ": unknown matrix kind ",
-                matrices[2 * i]);
-  }
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2, op, ": x must be contiguous [T, hidden]");
   TORCH_CHECK(kv.dim() == 6 && kv.size(0) == L && kv.size(1) == 2 && kv.is_contiguous(), op,
               ": kv must be the contiguous pool [", L, ", 2, blocks, block_size, KV, D]");
@@ -68,20 +64,20 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* t = tensors.data() + l * kTensorsPerLayer;
     const at::Tensor* w = t + kVectors;
-    const int64_t* m = matrices.data() + l * kMatrices * 2;
+    const int64_t* m = matrices.data() + l * kMatrices * kIntsPerMatrix;
     at::Tensor key_cache = kv.select(0, l).select(0, 0), value_cache = kv.select(0, l).select(0, 1);
     at::Tensor key_slots = key_cache.view({num_slots, num_kv_heads, D});
     at::Tensor value_slots = value_cache.view({num_slots, num_kv_heads, D});
-    const at::Tensor qkv = linear(h, w, m[0], m[1]);
+    const at::Tensor qkv = linear(h, w, m);
     const at::Tensor qk = rope_write_kv_(qkv, cos, sin, slots, key_slots, value_slots, H,
                                          num_kv_heads, present(t[2]), present(t[3]), eps);
     at::Tensor attn = at::empty({T, H, D}, x.options());
     paged_decode_(qk.narrow(1, 0, H), key_cache, value_cache, block_tables, ctx_lens, scale,
                   windows[l], attn);
-    h = add_rms_norm_(x, linear(attn.view({T, H * D}), w + kTensorsPerMatrix, m[2], m[3]), t[1],
-                      eps);
-    const at::Tensor act = silu_mul(linear(h, w + 2 * kTensorsPerMatrix, m[4], m[5]));
-    const at::Tensor r = linear(act, w + 3 * kTensorsPerMatrix, m[6], m[7]);
+    h = add_rms_norm_(x, linear(attn.view({T, H * D}), w + kTensorsPerMatrix, m + kIntsPerMatrix),
+                      t[1], eps);
+    const at::Tensor act = silu_mul(linear(h, w + 2 * kTensorsPerMatrix, m + 2 * kIntsPerMatrix));
+    const at::Tensor r = linear(act, w + 3 * kTensorsPerMatrix, m + 3 * kIntsPerMatrix);
     if (l + 1 < L) {
       h = add_rms_norm_(x, r, tensors[(l + 1) * kTensorsPerLayer], eps);
     } else {

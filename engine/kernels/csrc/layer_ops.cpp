@@ -23,12 +23,15 @@
 #include <optional>
 #include <vector>
 
+#include "attention.h"
 #include "blocks.h"
 #include "ops.h"
+#include "vec_avx2.h"
 
 namespace {
 
 using jitney_kernels::dot;
+using jitney_kernels::exp8;
 using jitney_kernels::hsum;
 
 inline float sum_squares(const float* x, int64_t n) {
@@ -100,29 +103,6 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& r, const at::Tensor& w
     norm_row(xr, w.data_ptr<float>(), static_cast<float>(eps), K, yp + t * K);
   }
   return y;
-}
-
-// exp(x) for 8 floats: 2^n e^r with n = round(x log2 e) and |r| <= ln2 / 2, e^r by its Taylor
-// series to r^6 (relative error about 2e-7 over the range, float32's own rounding); x below
-// -87 gives 0, as softmax wants of a far-away score, and x above 88 gives e^88.
-static inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));  // 88: e^88 still finite
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2, ln2 split in two so n * ln2_hi is exact
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 // silu(g) * u = g / (1 + exp(-g)) * u, eight at a time through exp8.
@@ -354,17 +334,19 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
   // head instead, which balances the threads; the extra reads of K/V come from cache.
   const int64_t heads_per_task = B * KV >= 2 * at::get_num_threads() ? G : 1;
   const int64_t tasks_per_kv = G / heads_per_task;
+  const bool wide = active_isa() >= kAvx512 && D % 16 == 0;  // attention_avx512.cpp
+  const auto attend = wide ? attend_one_avx512 : attend_one;
   at::parallel_for(0, B * KV * tasks_per_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(heads_per_task * ((longest + 7) / 8 * 8));
+    std::vector<float> scores(heads_per_task * ((longest + 15) / 16 * 16));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / (KV * tasks_per_kv), kh = i / tasks_per_kv % KV;
       const int64_t h0 = kh * G + i % tasks_per_kv * heads_per_task;  // first query head
       const int64_t hi = cp[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
-      attend_one(qp + b * q.stride(0) + h0 * q.stride(1), q.stride(1), kp + kh * D, vp + kh * D,
-                 tp + b * block_tables.stride(0), bs, key_cache.stride(0), key_cache.stride(1), lo,
-                 hi, heads_per_task, D, sc, op_ + b * out.stride(0) + h0 * out.stride(1),
-                 out.stride(1), scores.data());
+      attend(qp + b * q.stride(0) + h0 * q.stride(1), q.stride(1), kp + kh * D, vp + kh * D,
+             tp + b * block_tables.stride(0), bs, key_cache.stride(0), key_cache.stride(1), lo, hi,
+             heads_per_task, D, sc, op_ + b * out.stride(0) + h0 * out.stride(1), out.stride(1),
+             scores.data());
     }
   });
 }

@@ -9,11 +9,9 @@
 
 namespace jitney_kernels {
 
-// quant_linear.cpp
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                       const at::Tensor& m, int64_t panel_min_tokens);
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                       int64_t panel_min_tokens);
+// quant_linear.cpp (kind: 0 Q4_1, 1 Q8_0; blocks packed as blocks.h says)
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind, int64_t rows,
+                        int64_t batched_min_tokens);
 
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -1,19 +1,16 @@
-// y = x @ W.T for weights kept in GGUF's Q4_1 / Q8_0 blocks, float32 activations kept exact.
+// y = x @ W.T for weights kept in GGUF's Q4_1 / Q8_0 blocks (packed as blocks.h says), and the
+// Q8_0 embedding lookup. This file holds the ops' entry points, the choice of path, and the AVX2
+// kernels every x86-64 CPU the library builds for can run; quant_avx512.cpp holds the AVX-512 and
+// AMX ones.
 //
-// Packed layout (engine/kernels/packed_weights.py builds it from the GGUF blocks), N rows, K = 32*NB:
-//   qs [N, NB*16] uint8 (Q4_1: ggml's nibbles as they are: byte j of a block holds element j in its
-//                        low nibble and element j+16 in its high nibble)
-//      [N, K]     int8  (Q8_0)
-//   d  [N, NB] float32, m [N, NB] float32 (Q4_1 only), converted from the file's f16 exactly.
-// Rows are whole blocks, so permuting rows never touches a block.
-//
-// Two paths, chosen per call by the number of tokens T:
-//   fused  (T < panel_min_tokens): blocks are unpacked in registers and each unpacked block is used
-//          for a tile of TT tokens (register tiling); x is read as float32, never quantized.
-//          y[t,n] = sum_b d[n,b] * dot(q[n,b,:], x[t,b,:]) + sum_b m[n,b] * sum(x[t,b,:]).
-//   panels (T >= panel_min_tokens): each thread dequantizes a panel of rows (sized to stay in L2)
-//          into float32 scratch and multiplies it with MKL's sgemm (at::mm_out).
-// Both split the output rows into chunks that torch's intra-op threads take one at a time.
+// Paths, chosen per call by the number of tokens T and the instruction set in use (cpu_isa.cpp):
+//   one pass (T < batched_min_tokens): the weights stream from memory once; each unpacked record
+//          serves a few tokens in registers, float32 activations kept exact (gemv_avx512, or
+//          gemv_avx2 here).
+//   batched (T >= batched_min_tokens): with AMX, bf16 tiles (amx_linear); otherwise each thread
+//          dequantizes panels of rows into float32 columns that stay in L2 and multiplies them
+//          with MKL's sgemm (at::mm_out).
+// batched_min_tokens = 0 takes the crossover measured for the instruction set (kAutoCrossover).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,109 +20,140 @@
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "blocks.h"
 #include "ops.h"
+#include "vec_avx2.h"
 
+namespace jitney_kernels {
 namespace {
 
-using namespace jitney_kernels;
-
-// y[t0:t0+TT, n0:n0+R] for rows n0.. of w and tokens t0.. of x. Each block is unpacked once per row
-// and used for TT tokens; the R*TT accumulators stay in registers. Two ways to use a block:
-//   kDequantFirst: w = d*q + m in registers (4 FMAs), then 4 FMAs per token; no m term after.
-//   otherwise:     v = dot(q, x) per token (4 ops), acc += d*v (1 FMA); the m term is added at the
-//                  end from sx [T, NB], the per-block sums of x. Fewer ops per block, more per token.
-// Measured (one thread, the whole model's linears): the second is best for 1-2 tokens, the first
-// from 3 tokens on; with tiles of 2 rows x 4 tokens, 4 tokens cost ~1.2x what 1 does.
-template <class Fmt, int R, int TT, bool kDequantFirst, bool kPrefetch>
-void tile(const Packed& w, int64_t n0, const float* x, const float* sx, int64_t t0, float* y) {
-  const int64_t K = w.K, NB = w.NB;
-  const int64_t row_bytes = NB * Fmt::kBlockBytes;
-  __m256 acc[R][TT];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
-  const float* xt = x + t0 * K;
-  for (int64_t b = 0; b < NB; ++b) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m256 q[4];
-      const uint8_t* block = w.qs + (n0 + r) * row_bytes + b * Fmt::kBlockBytes;
-      if constexpr (kPrefetch) prefetch_ahead<Fmt>(w, n0 + r, b);
-      Fmt::unpack(block, q);
-      const __m256 dv = _mm256_broadcast_ss(w.d + (n0 + r) * NB + b);
-      if constexpr (kDequantFirst) {
-        if constexpr (Fmt::kHasMin) {
-          const __m256 mv = _mm256_broadcast_ss(w.m + (n0 + r) * NB + b);
-          for (int i = 0; i < 4; ++i) q[i] = _mm256_fmadd_ps(q[i], dv, mv);
-        } else {
-          for (int i = 0; i < 4; ++i) q[i] = _mm256_mul_ps(q[i], dv);
-        }
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < TT; ++t) {
-        const float* xb = xt + t * K + b * kBlock;
-        if constexpr (kDequantFirst) {
-          __m256 a = acc[r][t];
-          a = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(xb), a);
-          a = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), a);
-          a = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), a);
-          acc[r][t] = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), a);
-        } else {
-          __m256 v = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-          v = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), v);
-          v = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), v);
-          v = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), v);
-          acc[r][t] = _mm256_fmadd_ps(v, dv, acc[r][t]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < TT; ++t) {
-      float s = hsum(acc[r][t]);
-      if constexpr (Fmt::kHasMin && !kDequantFirst) {
-        s += dot(w.m + (n0 + r) * NB, sx + (t0 + t) * NB, NB);
-      }
-      y[(t0 + t) * w.N + n0 + r] = s;
-    }
-  }
+// NOTE: from this many tokens on a linear takes its batched path, per instruction set and kind;
+// measured with `python -m bench.kernels --crossover` (docs/performance.md has the tables): with
+// AMX, the one-pass kernel (tiles of up to 8 tokens) is faster up to 8 tokens and the bf16 tiles
+// from 9 (2 threads); AVX2 panels + sgemm win from 32 (Q4_1) and 24 (Q8_0) on Zen 3, and AVX-512
+// without AMX keeps AVX2's.
+int64_t auto_crossover(int isa, Kind kind) {
+  if (isa >= kAmx) return 9;
+  return kind == Kind::kQ4_1 ? 32 : 24;
 }
 
-template <class Fmt, int R, int TT, bool kDequantFirst>
-inline void run_tile(bool prefetch, const Packed& w, int64_t n0, const float* x, const float* sx,
-                     int64_t t0, float* y) {
-  if (prefetch) {
-    tile<Fmt, R, TT, kDequantFirst, true>(w, n0, x, sx, t0, y);
+inline __m256 load_f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Element pair p of a record, rows 8h..8h+7 (h = 0, 1), as float vectors of quants (unscaled).
+template <Kind kKind>
+inline void pair_quants8(const uint8_t* rec, int p, int h, __m256& even, __m256& odd) {
+  if constexpr (kKind == Kind::kQ4_1) {
+    const __m256i v = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 16 * p + 8 * h)));
+    even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   } else {
-    tile<Fmt, R, TT, kDequantFirst, false>(w, n0, x, sx, t0, y);
+    const auto* e = reinterpret_cast<const __m128i*>(rec + 32 * p + 8 * h);
+    const auto* o = reinterpret_cast<const __m128i*>(rec + 32 * p + 16 + 8 * h);
+    even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(e)));
+    odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(o)));
   }
 }
 
-// Rows n0..n0+R for all T tokens: tiles of 4 tokens, then one tile for the 1-3 left. Only the
-// first tile prefetches (the later ones find the rows in L1).
-template <class Fmt, int R>
-void rows_all_tokens(const Packed& w, int64_t n0, const float* x, const float* sx, int64_t T,
-                     float* y) {
-  for (int64_t t0 = 0; t0 + 4 <= T; t0 += 4) run_tile<Fmt, R, 4, true>(t0 == 0, w, n0, x, sx, t0, y);
-  const int64_t t0 = T / 4 * 4;
-  switch (T - t0) {
-    case 1: run_tile<Fmt, R, 1, false>(t0 == 0, w, n0, x, sx, t0, y); break;
-    case 2: run_tile<Fmt, R, 2, false>(t0 == 0, w, n0, x, sx, t0, y); break;
-    case 3: run_tile<Fmt, R, 3, true>(t0 == 0, w, n0, x, sx, t0, y); break;
-    default: break;
+// One group for TT (1 or 2) tokens: per token two partial sums per half of the rows.
+template <Kind kKind, int TT>
+void gemv_group_avx2(const PackedMatrix& w, int64_t g, const float* x, const float* sx,
+                     int64_t t0, float* y, int64_t ldy) {
+  const int64_t K = w.K(), NB = w.NB;
+  __m256 acc[TT][2];
+  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* rec = w.record(g, b);
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * record_bytes(kKind)), _MM_HINT_T0);
+    __m256 part[TT][2];
+    for (int t = 0; t < TT; ++t) part[t][0] = part[t][1] = _mm256_setzero_ps();
+    const float* xb = x + t0 * K + b * kBlock;
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; ++p) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 even, odd;
+        pair_quants8<kKind>(rec, p, h, even, odd);
+        for (int t = 0; t < TT; ++t) {
+          const float* xt = xb + t * K + 2 * p;
+          part[t][h] = _mm256_fmadd_ps(even, _mm256_set1_ps(xt[0]), part[t][h]);
+          part[t][h] = _mm256_fmadd_ps(odd, _mm256_set1_ps(xt[1]), part[t][h]);
+        }
+      }
+    }
+    const uint8_t* scales = rec + scales_offset(kKind);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = load_f16x8(scales + 16 * h);
+      for (int t = 0; t < TT; ++t) acc[t][h] = _mm256_fmadd_ps(part[t][h], d, acc[t][h]);
+      if constexpr (kKind == Kind::kQ4_1) {
+        const __m256 m = load_f16x8(scales + 32 + 16 * h);
+        for (int t = 0; t < TT; ++t) {
+          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(t0 + t) * NB + b]), acc[t][h]);
+        }
+      }
+    }
+  }
+  const int64_t rows = w.rows_in(g);
+  for (int t = 0; t < TT; ++t) {
+    float* dst = y + (t0 + t) * ldy + g * kGroup;
+    if (rows == kGroup) {
+      _mm256_storeu_ps(dst, acc[t][0]);
+      _mm256_storeu_ps(dst + 8, acc[t][1]);
+    } else {
+      alignas(32) float out[kGroup];
+      _mm256_store_ps(out, acc[t][0]);
+      _mm256_store_ps(out + 8, acc[t][1]);
+      std::copy(out, out + rows, dst);
+    }
+  }
+}
+
+template <Kind kKind>
+void gemv_avx2_kind(const PackedMatrix& w, const float* x, const float* sx, int64_t T, float* y,
+                    int64_t ldy, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {  // a group's records stay in L1 for its later token pairs
+    int64_t t0 = 0;
+    for (; t0 + 2 <= T; t0 += 2) gemv_group_avx2<kKind, 2>(w, g, x, sx, t0, y, ldy);
+    if (t0 < T) gemv_group_avx2<kKind, 1>(w, g, x, sx, t0, y, ldy);
+  }
+}
+
+template <Kind kKind>
+void dequantize_columns_kind(const PackedMatrix& w, int64_t g0, int64_t g1, float* out,
+                             int64_t ldo) {
+  for (int64_t g = g0; g < g1; ++g) {
+    float* col = out + (g - g0) * kGroup;
+    for (int64_t b = 0; b < w.NB; ++b) {
+      const uint8_t* rec = w.record(g, b);
+      const uint8_t* scales = rec + scales_offset(kKind);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = load_f16x8(scales + 16 * h);
+        const __m256 m = kKind == Kind::kQ4_1 ? load_f16x8(scales + 32 + 16 * h) : _mm256_setzero_ps();
+        for (int p = 0; p < 16; ++p) {
+          __m256 even, odd;
+          pair_quants8<kKind>(rec, p, h, even, odd);
+          // d*q is exact in float32 and + m rounds once: gguf's dequantize bit for bit.
+          const int64_t k = b * kBlock + 2 * p;
+          _mm256_storeu_ps(col + k * ldo + 8 * h, _mm256_fmadd_ps(even, d, m));
+          _mm256_storeu_ps(col + (k + 1) * ldo + 8 * h, _mm256_fmadd_ps(odd, d, m));
+        }
+      }
+    }
   }
 }
 
 // Calls f(begin, end) for consecutive chunks of [0, n), handed out to torch's intra-op threads one
 // at a time: a thread that falls behind (another process took its core) holds up one chunk, not
-// a static half of the rows.
+// a static half of the work.
 template <class F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   const int64_t num_chunks = (n + chunk - 1) / chunk;
@@ -144,44 +172,7 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   });
 }
 
-// Tiles of 2 rows; an odd last row runs alone.
-template <class Fmt>
-void fused_linear(const Packed& w, const float* x, const float* sx, int64_t T, float* y) {
-  constexpr int R = 2;
-  // Two chunks per thread, so each streams long runs of rows from memory (measured ~9% faster
-  // over the whole model at one token than chunks of 64K multiply-adds, whose runs of rows are
-  // too short for the prefetchers), yet a thread that falls behind holds up half its share; at
-  // least 64K multiply-adds each, in whole cache lines of y's rows (16 floats) so two threads
-  // never write the same line.
-  const int64_t small = std::max<int64_t>(16, 65536 / (w.K * T) / 16 * 16);
-  const int64_t chunk_rows = std::max(small, (w.N / (2 * at::get_num_threads()) + 15) / 16 * 16);
-  parallel_chunks(w.N, chunk_rows, [&](int64_t begin, int64_t end) {
-    int64_t n0 = begin;
-    for (; n0 + R <= end; n0 += R) rows_all_tokens<Fmt, R>(w, n0, x, sx, T, y);
-    if (n0 < end) rows_all_tokens<Fmt, 1>(w, n0, x, sx, T, y);
-  });
-}
-
-// Panels of rows, one at a time per thread: dequantize into scratch that stays in L2, then sgemm
-// (single-threaded inside the pool) into the panel's columns of y.
-template <class Fmt>
-void panel_linear(const Packed& w, const at::Tensor& x, at::Tensor& y) {
-  // ~256 KiB of float32 scratch, in whole cache lines of y's rows (as in fused_linear).
-  const int64_t rows = std::clamp<int64_t>((65536 / w.K) / 16 * 16, 16, 256);
-  parallel_chunks(w.N, rows, [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> scratch;  // kept: no allocation per panel
-    scratch.resize(rows * w.K);
-    const at::Tensor panel = at::from_blob(scratch.data(), {rows, w.K}, x.options());
-    for (int64_t n0 = begin; n0 < end; n0 += rows) {
-      const int64_t n = std::min(rows, end - n0);
-      dequantize_rows<Fmt>(w, n0, n, scratch.data());
-      at::Tensor out = y.narrow(1, n0, n);
-      at::mm_out(out, x, panel.narrow(0, 0, n).t());
-    }
-  });
-}
-
-// Per-token block sums of x, [T, NB]: the m term's other factor.
+// Per-token block sums of x, [T, NB]: the Q4_1 minimum term's other factor.
 at::Tensor block_sums(const at::Tensor& x) {
   const int64_t T = x.size(0), K = x.size(1), NB = K / kBlock;
   at::Tensor sx = at::empty({T, NB}, x.options());
@@ -196,89 +187,133 @@ at::Tensor block_sums(const at::Tensor& x) {
   return sx;
 }
 
-void check_weights(const char* op, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                   int64_t block_bytes, at::ScalarType qs_dtype) {
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [T, K], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % kBlock == 0, op, ": K must be a multiple of 32, got ", K);
-  TORCH_CHECK(qs.scalar_type() == qs_dtype, op, ": qs must be ", qs_dtype, ", got ", qs.scalar_type());
-  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == K / kBlock * block_bytes && qs.is_contiguous(), op,
-              ": qs must be contiguous [N, ", K / kBlock * block_bytes, "], got ", qs.sizes());
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 &&
-                  d.size(0) == qs.size(0) && d.size(1) == K / kBlock,
-              op, ": d must be contiguous float32 [N, K/32]");
+void one_pass(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y, int isa) {
+  const int64_t T = x.size(0);
+  const at::Tensor sx = w.kind == Kind::kQ4_1 ? block_sums(x) : at::Tensor();
+  const float* xp = x.data_ptr<float>();
+  const float* sp = sx.defined() ? sx.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Two chunks per thread, so each streams long runs of the matrix (the prefetchers need them),
+  // yet a thread that falls behind holds up half its share.
+  const int64_t chunk = std::max<int64_t>(1, (w.G + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads()));
+  parallel_chunks(w.G, chunk, [&](int64_t g0, int64_t g1) {
+    if (isa >= kAvx512) {
+      gemv_avx512(w, xp, sp, T, yp, w.N, g0, g1);
+    } else if (w.kind == Kind::kQ4_1) {
+      gemv_avx2_kind<Kind::kQ4_1>(w, xp, sp, T, yp, w.N, g0, g1);
+    } else {
+      gemv_avx2_kind<Kind::kQ8_0>(w, xp, sp, T, yp, w.N, g0, g1);
+    }
+  });
 }
 
-template <class Fmt>
-at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                        const at::Tensor* m, int64_t panel_min_tokens) {
-  const at::Tensor x = x_in.contiguous();
-  const int64_t T = x.size(0), K = x.size(1), N = qs.size(0);
-  Packed w{reinterpret_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<float>(),
-           m ? m->data_ptr<float>() : nullptr, N, K, K / kBlock};
-  at::Tensor y = at::empty({T, N}, x.options());
-  if (T == 0 || N == 0) return y;
-  if (T >= panel_min_tokens) {
-    panel_linear<Fmt>(w, x, y);
-  } else {
-    // The m term's sums are only read by tiles of 1-2 tokens (see tile).
-    const int64_t rest = T % 4;
-    const bool needs_sums = Fmt::kHasMin && (rest == 1 || rest == 2);
-    const at::Tensor sx = needs_sums ? block_sums(x) : at::Tensor();
-    fused_linear<Fmt>(w, x.data_ptr<float>(), sx.defined() ? sx.data_ptr<float>() : nullptr, T,
-                      y.data_ptr<float>());
-  }
-  return y;
+// Panels of groups, one at a time per thread: dequantize into float32 columns that stay in L2,
+// then sgemm (single-threaded inside the pool) into the panel's columns of y.
+void panels(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y) {
+  const int64_t K = w.K();
+  const int64_t groups = std::clamp<int64_t>(65536 / K / kGroup, 1, 16);  // ~256 KiB of float32
+  parallel_chunks(w.G, groups, [&](int64_t g0, int64_t g1) {
+    static thread_local std::vector<float> scratch;  // kept: no allocation per panel
+    const int64_t width = (g1 - g0) * kGroup;
+    scratch.resize(K * width);
+    dequantize_columns(w, g0, g1, scratch.data(), width);
+    const int64_t cols = std::min(width, w.N - g0 * kGroup);
+    const at::Tensor panel = at::from_blob(scratch.data(), {K, cols}, {width, 1}, x.options());
+    at::Tensor out = y.narrow(1, g0 * kGroup, cols);
+    at::mm_out(out, x, panel);
+  });
+}
+
+void amx(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y) {
+  const int64_t T = x.size(0), K = x.size(1);
+  const int64_t padded = (T + 15) / 16 * 16;
+  static thread_local std::vector<uint16_t> xb;
+  xb.resize(padded * K);
+  std::fill(xb.begin() + T * K, xb.end(), 0);
+  to_bf16_rows(x.data_ptr<float>(), T, K, xb.data());
+  amx_linear(w, xb.data(), T, y.data_ptr<float>(), w.N);
 }
 
 }  // namespace
 
-namespace jitney_kernels {
-
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                       const at::Tensor& m, int64_t panel_min_tokens) {
-  check_weights("q4_1_linear", x, qs, d, Q4_1::kBlockBytes, at::kByte);
-  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.sizes() == d.sizes(),
-              "q4_1_linear: m must be contiguous float32 shaped like d");
-  return quant_linear<Q4_1>(x, qs, d, &m, panel_min_tokens);
+void dequantize_columns(const PackedMatrix& w, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+  if (w.kind == Kind::kQ4_1) {
+    dequantize_columns_kind<Kind::kQ4_1>(w, g0, g1, out, ldo);
+  } else {
+    dequantize_columns_kind<Kind::kQ8_0>(w, g0, g1, out, ldo);
+  }
 }
 
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                       int64_t panel_min_tokens) {
-  check_weights("q8_0_linear", x, qs, d, Q8_0::kBlockBytes, at::kChar);
-  return quant_linear<Q8_0>(x, qs, d, nullptr, panel_min_tokens);
+PackedMatrix packed_view(const char* op, const at::Tensor& blocks, int64_t kind, int64_t rows) {
+  TORCH_CHECK(kind == 0 || kind == 1, op, ": unknown matrix kind ", kind);
+  const Kind k = static_cast<Kind>(kind);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.is_contiguous() &&
+                  blocks.size(2) == record_bytes(k) && blocks.device().is_cpu(),
+              op, ": blocks must be contiguous uint8 [G, K/32, ", record_bytes(k), "], got ",
+              blocks.scalar_type(), " ", blocks.sizes());
+  const int64_t G = blocks.size(0);
+  TORCH_CHECK(rows > (G - 1) * kGroup && rows <= G * kGroup, op, ": ", rows,
+              " rows do not fill ", G, " groups of ", kGroup);
+  return PackedMatrix{blocks.data_ptr<uint8_t>(), k, G, blocks.size(1), rows};
+}
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& blocks, int64_t kind,
+                        int64_t rows, int64_t batched_min_tokens) {
+  const char* op = "quant_linear";
+  const PackedMatrix w = packed_view(op, blocks, kind, rows);
+  TORCH_CHECK(x_in.dim() == 2, op, ": x must be 2-D [T, K], got ", x_in.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), op,
+              ": x must be a float32 CPU tensor, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.size(1) == w.K(), op, ": x has ", x_in.size(1), " features, the matrix takes ",
+              w.K());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0);
+  at::Tensor y = at::empty({T, rows}, x.options());
+  if (T == 0) return y;
+  const int isa = active_isa();
+  const int64_t limit = batched_min_tokens > 0 ? batched_min_tokens : auto_crossover(isa, w.kind);
+  if (T < limit) {
+    one_pass(w, x, y, isa);
+  } else if (isa >= kAmx) {
+    amx(w, x, y);
+  } else {
+    panels(w, x, y);
+  }
+  return y;
 }
 
 }  // namespace jitney_kernels
 
 namespace {
 
-at::Tensor q8_0_embedding(const at::Tensor& ids_in, const at::Tensor& qs, const at::Tensor& d) {
-  TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt,
-              "q8_0_embedding: ids must be int64 or int32, got ", ids_in.scalar_type());
-  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.is_contiguous(),
-              "q8_0_embedding: qs must be contiguous int8 [N, K]");
-  const int64_t N = qs.size(0), K = qs.size(1);
-  TORCH_CHECK(K % kBlock == 0, "q8_0_embedding: K must be a multiple of 32, got ", K);
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 &&
-                  d.size(0) == N && d.size(1) == K / kBlock,
-              "q8_0_embedding: d must be contiguous float32 [N, K/32]");
+at::Tensor q8_0_embedding(const at::Tensor& ids_in, const at::Tensor& blocks, int64_t rows) {
+  using namespace jitney_kernels;
+  const char* op = "q8_0_embedding";
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt, op,
+              ": ids must be int64 or int32, got ", ids_in.scalar_type());
+  const PackedMatrix w = packed_view(op, blocks, static_cast<int64_t>(Kind::kQ8_0), rows);
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
-  out_shape.push_back(K);
-  at::Tensor out = at::empty(out_shape, d.options());
-  const int64_t n = ids.numel();
+  const int64_t n = ids.numel(), K = w.K();
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "q8_0_embedding: id ", ip[i], " out of range [0, ", N, ")");
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, op, ": id ", ip[i], " out of range [0, ", rows, ")");
   }
-  Packed w{reinterpret_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<float>(), nullptr, N, K,
-           K / kBlock};
-  float* op = out.data_ptr<float>();
+  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
+  out_shape.push_back(K);
+  at::Tensor out = at::empty(out_shape, ids.options().dtype(at::kFloat));
+  float* op_ = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dequantize_rows<Q8_0>(w, ip[i], 1, op + i * K);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = ip[i] / kGroup, r = ip[i] % kGroup;
+      for (int64_t b = 0; b < w.NB; ++b) {
+        const uint8_t* rec = w.record(g, b);
+        uint16_t bits;
+        std::memcpy(&bits, rec + scales_offset(Kind::kQ8_0) + 2 * r, 2);
+        const float d = _cvtsh_ss(bits);
+        float* dst = op_ + i * K + b * kBlock;
+        for (int64_t k = 0; k < kBlock; ++k) dst[k] = d * static_cast<int8_t>(rec[k * kGroup + r]);
+      }
+    }
   });
   return out;
 }
@@ -288,7 +323,6 @@ at::Tensor q8_0_embedding(const at::Tensor& ids_in, const at::Tensor& qs, const 
 // The schemas are defined once, in Python (engine/kernels/ops.py), so the reference path and this
 // one share them; this library only adds the CPU kernels.
 TORCH_LIBRARY_IMPL(jitney, CPU, m) {
-  m.impl("q4_1_linear", &jitney_kernels::q4_1_linear);
-  m.impl("q8_0_linear", &jitney_kernels::q8_0_linear);
+  m.impl("quant_linear", &jitney_kernels::quant_linear);
   m.impl("q8_0_embedding", &q8_0_embedding);
 }

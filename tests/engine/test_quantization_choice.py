@@ -1,0 +1,82 @@
+"""`--quantization auto`: a GGUF model runs on its own blocks where the kernels cover them, every
+other model stays dense; an explicit `gguf` refuses block types no kernel covers, by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine.config import EngineConfig
+from engine.kernels import Q4_1Weights
+from engine.layers.quantized import COVERED_KINDS, QuantizedLinear, uncovered_kinds
+from engine.models.gguf_weights import read_gguf_tensors
+from engine.models.model_loader import LoadedModel, load_model
+from engine.runner.model_runner import gguf_block_weights, resolve_forward, resolve_quantization
+from tests.engine.engine_helpers import make_engine
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2-135m")
+
+
+def test_auto_keeps_a_gguf_models_blocks_and_a_dense_model_dense(smollm2, loaded) -> None:
+    """The bundled SmolLM2 (Q4_1/Q8_0) resolves to its blocks; tiny-random (no file) to none;
+    transformers' model (which the kernels do not serve) to none."""
+    assert resolve_quantization(smollm2, "auto", None) == "gguf"
+    assert resolve_quantization(smollm2, "transformers", None) == "none"
+    assert resolve_quantization(loaded, "auto", None) == "none"
+    name, forward = resolve_forward(smollm2)
+    assert name == "jitney-gguf" and isinstance(forward.layers[0].qkv, QuantizedLinear)
+    assert resolve_forward(loaded)[0] == "jitney-none"
+    assert resolve_forward(smollm2, quantization="none")[0] == "jitney-none"
+
+
+def test_the_engine_reports_the_forward_it_resolved(smollm2, loaded) -> None:
+    assert make_engine(smollm2, kv_cache_memory="16MiB").view.forward_name == "jitney-gguf"
+    assert make_engine(loaded, kv_cache_memory="16MiB").view.forward_name == "jitney-none"
+    exact = make_engine(smollm2, kv_cache_memory="16MiB", quantization="none")
+    assert exact.view.forward_name == "jitney-none"
+
+
+def test_uncovered_block_types_are_named_and_refused_when_asked_for(smollm2) -> None:
+    """A file whose layer matrices are in a type without a kernel: auto would stay dense, and an
+    explicit gguf says which type and what to do; the embedding's own type does not matter."""
+    _, tensors = read_gguf_tensors(smollm2.gguf_path)
+    assert uncovered_kinds(tensors) == []
+    name = "model.layers.3.mlp.down_proj.weight"
+    changed = {**tensors, name: dataclasses.replace(tensors[name], kind="Q4_K")}
+    assert uncovered_kinds(changed) == ["Q4_K"]
+    with pytest.raises(ValueError, match=r"Q4_K blocks have no kernel \(covered: Q4_0, Q4_1"):
+        gguf_block_weights(changed)
+    table = "model.embed_tokens.weight"
+    other_table = dataclasses.replace(tensors[table], kind="Q6_K")
+    assert uncovered_kinds({**tensors, table: other_table}) == []
+    assert COVERED_KINDS == ("Q4_0", "Q4_1", "Q8_0")
+
+
+def test_q4_0_blocks_run_on_the_q4_1_kernels_exactly() -> None:
+    """Q4_0 (d * (q - 8)) becomes Q4_1 with m = -8 d: the same weights bit for bit, and the same
+    products as the dequantized matrix."""
+    rng = np.random.default_rng(0)
+    dense = (rng.standard_normal((48, 96)) * np.logspace(-3, 1, 48)[:, None]).astype(np.float32)
+    blocks = quantize(dense, GGMLQuantizationType.Q4_0)
+    w = Q4_1Weights.from_gguf_q4_0_blocks(blocks, (48, 96))
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_0).copy())
+    assert torch.equal(w.dequantize(), want)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(w.linear(x), x @ want.T, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_is_the_default_and_explicit_choices_still_validate() -> None:
+    assert EngineConfig().quantization == "auto"
+    EngineConfig(quantization="auto", model_impl="transformers")  # resolves to none there
+    with pytest.raises(ValueError, match="runs on Jitney's forward"):
+        EngineConfig(quantization="gguf", model_impl="transformers")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="q4")

@@ -20,10 +20,13 @@ MIXED=$(realpath "$TRACES/mixed-64.json")
 ROOT=$PWD
 
 row() {  # name trace [flags...]: one `jitney bench offline` run, tokens/s and ms per step
+  # (--speculative none: the forward against the peer's, a step one token; speculation's own
+  # gain is docs/performance.md's next section)
   local name=$1 trace=$2
   shift 2
   $PY -m jitney.cli bench offline --model smollm2-135m --policies continuous --baseline none \
-    --threads 2 --trace "$trace" --output "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+    --threads 2 --speculative none --trace "$trace" --output "$OUT/$name.json" "$@" \
+    > "$OUT/$name.log" 2>&1
   report "$name"
 }
 earlier() {  # name trace: the same on the earlier engine (same virtualenv)
@@ -35,12 +38,15 @@ earlier() {  # name trace: the same on the earlier engine (same virtualenv)
 report() {
   local tok step
   tok=$(grep -A2 'tok/s  mean' "$OUT/$1.log" | awk '/^jitney/ {print $2}')
-  step=$(grep -A2 'ms per step' "$OUT/$1.log" | awk '/^jitney/ {print $7}')
+  # the "step" column by its header (the earlier engine's table has no "propose" column)
+  step=$(grep -A2 'ms per step' "$OUT/$1.log" |
+    awk '/ms per step/ {for (i = 1; i <= NF; i++) if ($i == "step") col = i - 2}
+         /^jitney/ {print $col}')
   echo "$1: $tok tokens/s, $step ms per step"
 }
 llama_one() {  # llama.cpp, one user: generation time / 256 tokens
   "$LLAMA_BIN/llama-batched-bench" -m "$GGUF" -c 8192 -npp 134 -ntg 256 -npl 1 -t 2 2>&1 |
-    awk -F'|' '/^\|  *134/ {printf "llama.cpp: %.2f ms per token (%s generated tokens/s)\n", 1000 * $7 / 256, $8}'
+    awk -F'|' '/^\|  *134/ {printf "llama.cpp: %.2f ms per token (%s generated tokens/s)\n", 1000 * $8 / 256, $9}'
 }
 
 echo "== one user (134-token prompt, 256 tokens), three interleaved rounds"

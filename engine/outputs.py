@@ -30,6 +30,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # A final output's speculation totals (Sequence's): draft tokens verified, kept, verifications.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     # Each prompt token's after the first, in the request's first output (when it asked).
     prompt_logprobs: list[TokenLogprobs] | None = None
@@ -99,6 +103,9 @@ def final_output(req: ChoiceState, delta: RequestOutput | None = None) -> Reques
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
         num_cached_tokens=seq.num_cached_tokens,
+        num_draft_tokens=seq.num_draft_tokens,
+        num_accepted_tokens=seq.num_accepted_tokens,
+        num_verifications=seq.num_verifications,
     )
     if delta is not None:
         final.new_token_ids = delta.new_token_ids
@@ -127,6 +134,8 @@ class CompletedRequest:
     text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculation: draft tokens verified, and those kept
+    num_accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # when the request asked
     embedding: torch.Tensor | None = None  # a pooling request's vector
@@ -140,4 +149,6 @@ class CompletedRequest:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.num_cached_tokens = out.num_cached_tokens
+            self.num_draft_tokens = out.num_draft_tokens
+            self.num_accepted_tokens = out.num_accepted_tokens
             self.embedding = out.embedding

@@ -114,6 +114,10 @@ class ReplyMessage(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # A final reply's speculation (the worker that finished it): draft tokens it verified for
+    # this choice, and those kept (OpenAI's accepted/rejected_prediction_tokens).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     error: str | None = None  # a message safe to show the client
     error_type: str | None = None  # OpenAI error type, e.g. invalid_request_error
     # Per token of token_ids, when the request asked: [log-prob, [[id, log-prob], ...]].

@@ -107,6 +107,10 @@ class Sequence:
     # one-draft verification every 32 steps, not every step.
     num_draft_misses: int = 0
     draft_pause: int = 0
+    # Its speculation so far (on this worker): draft tokens verified, those kept, verifications.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
     # Output tokens its latest sampling step gave it: 1 for a decode, the kept drafts and the
     # sampled token for a verification (the live view shows it).
     num_step_tokens: int = 0

@@ -96,6 +96,8 @@ STEP_PHASE_BUCKETS = (
 )
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+ACCEPTED_LENGTH_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 16.0)
 
 LABELS = ("model", "worker")
 HANDOFF_EVENTS = ("taken_over", "handed_back", "dead_lettered", "gateway_gone", "history_lost")
@@ -180,6 +182,17 @@ class WorkerMetrics:
         )
         self.spec_accepted_tokens = counter(
             "jitney_spec_decode_num_accepted_tokens", "Draft tokens the model accepted"
+        )
+        # Per finished choice that verified drafts: how its speculation went.
+        self.spec_request_acceptance = hist(
+            "jitney_spec_decode_request_acceptance_ratio",
+            "Per finished request (choice) that speculated: accepted / draft tokens",
+            ACCEPTANCE_BUCKETS,
+        )
+        self.spec_request_accepted_length = hist(
+            "jitney_spec_decode_request_mean_accepted_length",
+            "Per finished request (choice) that speculated: draft tokens kept per verification",
+            ACCEPTED_LENGTH_BUCKETS,
         )
         self._handoffs = Counter(
             "jitney_request_handoffs",
@@ -287,6 +300,12 @@ class WorkerMetrics:
             self.batch_size_current.set(0)
 
     # ----- per request ---------------------------------------------------------------------
+    def speculated(self, draft_tokens: int, accepted_tokens: int, verifications: int) -> None:
+        """A finished choice's speculation, when it verified any drafts."""
+        if verifications:
+            self.spec_request_acceptance.observe(accepted_tokens / draft_tokens)
+            self.spec_request_accepted_length.observe(accepted_tokens / verifications)
+
     def finished(self, reason: str, prompt_tokens: int, e2e_s: float | None) -> None:
         self._finished.labels(**self._labels, reason=reason).inc()
         self.prompt_tokens.inc(prompt_tokens)

@@ -129,8 +129,16 @@ class RequestBook:
         reason = out.finish_reason or "abort"
         request.open_choices -= 1
         request.used += out.num_output_tokens
+        self.metrics.speculated(
+            out.num_draft_tokens, out.num_accepted_tokens, out.num_verifications
+        )
         if request.trace is not None:
             choice = {"index": out.index, "reason": reason, "tokens": out.num_output_tokens}
+            if out.num_verifications:
+                choice |= {
+                    "draft_tokens": out.num_draft_tokens,
+                    "accepted_draft_tokens": out.num_accepted_tokens,
+                }
             request.trace.phase_events().append(("finished", now, choice))
         if request.open_choices == 0:  # the other choices' finals came before
             del self.tracked[out.request_id]
@@ -142,6 +150,8 @@ class RequestBook:
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,
             cached_tokens=out.num_cached_tokens,
+            draft_tokens=out.num_draft_tokens,
+            accepted_draft_tokens=out.num_accepted_tokens,
             error=error,
             error_type=error_type,
         )
@@ -164,7 +174,13 @@ class RequestBook:
         )
         logger.debug(
             "request_finished %s",
-            kv(request=out.request_id, reason=reason, completion_tokens=out.num_output_tokens),
+            kv(
+                request=out.request_id,
+                reason=reason,
+                completion_tokens=out.num_output_tokens,
+                draft_tokens=out.num_draft_tokens,
+                accepted_draft_tokens=out.num_accepted_tokens,
+            ),
         )
 
     def _refund(self, request: TrackedRequest, used: int) -> None:

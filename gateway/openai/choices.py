@@ -54,6 +54,9 @@ class Choice:
     keep: bool = False  # collect the deltas (a non-streamed response)
     num_tokens: int = 0
     completion_tokens: int = 0  # as the worker's final reply counts them
+    # speculation, as the worker's final reply counts it: draft tokens verified, those kept
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     finish_reason: str | None = None  # set once the choice ended (here or in the worker)
     worker_done: bool = False  # the worker's final reply for this choice arrived
     _parts: list[Delta] = field(default_factory=list)
@@ -73,6 +76,8 @@ class Choice:
             self.worker_done = True
             if reply.completion_tokens:
                 self.completion_tokens = reply.completion_tokens
+            self.draft_tokens = reply.draft_tokens
+            self.accepted_draft_tokens = reply.accepted_draft_tokens
         if self.done:  # ended here by a stop string: what the worker made since is not shown
             return Delta()
         delta = self._echo(prompt_logprobs)

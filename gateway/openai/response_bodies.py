@@ -22,15 +22,26 @@ def usage(
     completion_tokens: int,
     cached_tokens: int = 0,
     reasoning_tokens: int | None = None,  # None: no reasoning parser (the detail left out)
+    draft_tokens: int = 0,  # speculative decoding's draft tokens verified, and those kept
+    accepted_draft_tokens: int = 0,
 ) -> dict[str, Any]:
+    """OpenAI's usage object. Speculation's drafts, when there were any, are reported as
+    OpenAI reports a prediction's (Predicted Outputs): accepted_prediction_tokens are in the
+    completion, rejected_prediction_tokens were computed and dropped."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    details: dict[str, int] = {}
     if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        details["reasoning_tokens"] = reasoning_tokens
+    if draft_tokens:
+        details["accepted_prediction_tokens"] = accepted_draft_tokens
+        details["rejected_prediction_tokens"] = draft_tokens - accepted_draft_tokens
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 

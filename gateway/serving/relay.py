@@ -184,7 +184,9 @@ class Relay:
         reasoning = None
         if any(c.reasoning is not None for c in self.choices):
             reasoning = sum(c.reasoning_tokens for c in self.choices)
-        return usage(prompt, completion, cached, reasoning)
+        drafts = sum(c.draft_tokens for c in self.choices)
+        accepted = sum(c.accepted_draft_tokens for c in self.choices)
+        return usage(prompt, completion, cached, reasoning, drafts, accepted)
 
     async def collect(self) -> web.Response:
         body = await self.collect_body()

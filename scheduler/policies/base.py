@@ -174,6 +174,9 @@ class BatchingPolicy(ABC):
         seq.num_draft_misses = 0 if num_accepted else seq.num_draft_misses + 1
         seq.draft_pause = min(2 ** (seq.num_draft_misses - 1), 32) if seq.num_draft_misses else 0
         self.kv.trim(seq, seq.num_computed_tokens, self._reserve_tokens(seq))
+        seq.num_draft_tokens += k
+        seq.num_accepted_tokens += num_accepted
+        seq.num_verifications += 1
         stats = self.stats
         stats.num_draft_tokens_total += k
         stats.num_accepted_tokens_total += num_accepted

@@ -86,6 +86,8 @@ def test_a_verification_keeps_the_accepted_drafts_and_gives_back_the_rejected_sl
     stats = policy.stats
     assert (stats.num_draft_tokens_total, stats.num_accepted_tokens_total) == (4, 2)
     assert stats.num_verifications_total == 1
+    # and the sequence's own totals (its final reply's usage)
+    assert (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verifications) == (4, 2, 1)
 
 
 def test_drafts_never_pass_max_tokens_and_an_accepted_stop_token_ends_the_sequence():

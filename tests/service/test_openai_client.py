@@ -116,6 +116,34 @@ def test_n_choices_greedy_are_identical_and_usage_counts_the_prompt_once(client,
     assert usage.prompt_tokens == len(PROMPT) and usage.completion_tokens == 24
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_speculation_shows_in_usage_as_prediction_tokens(client, stream):
+    """The worker speculates by default: a long greedy reply's usage says how many draft tokens
+    were kept and dropped, in OpenAI's Predicted Outputs fields (the client parses them); the
+    text is plain decoding's. A one-token reply verified nothing: no such details."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=120, temperature=0, n=2)
+    kw["extra_body"] = {"ignore_eos": True}
+    if stream:
+        chunks = client.completions.create(
+            **kw, stream=True, stream_options={"include_usage": True}
+        )
+        texts: dict[int, str] = {}
+        usage = None
+        for chunk in chunks:
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+            usage = chunk.usage or usage
+    else:
+        result = client.completions.create(**kw)
+        texts, usage = {c.index: c.text for c in result.choices}, result.usage
+    assert texts[0] == texts[1] == offline([PROMPT], 120)[0].text
+    details = usage.completion_tokens_details
+    kept, dropped = details.accepted_prediction_tokens, details.rejected_prediction_tokens
+    assert kept > 0 and dropped >= 0 and kept < usage.completion_tokens == 240
+    short = client.completions.create(**{**kw, "max_tokens": 1, "n": 1})
+    assert short.usage.completion_tokens_details is None
+
+
 class Reply(BaseModel):
     answer: str = Field(max_length=12)
     confidence: int = Field(ge=0, le=100)

@@ -250,6 +250,33 @@ def test_metrics_agree_with_what_was_served(stack, replies):
     assert worker.metric("jitney_requests_running", **labels) == 0
 
 
+def test_each_request_s_speculation_is_in_its_final_reply_and_the_metrics(stack, replies):
+    """The worker speculates by default (n-gram): each final reply says how many draft tokens
+    its request verified and kept, which add up to the worker's counters, and each request
+    that verified drafts is one observation of the per-request histograms."""
+    r, worker = stack
+    names = [
+        "jitney_spec_decode_num_draft_tokens_total",
+        "jitney_spec_decode_num_accepted_tokens_total",
+        "jitney_spec_decode_request_acceptance_ratio_count",
+        "jitney_spec_decode_request_mean_accepted_length_count",
+    ]
+    before = {n: worker.metric(n) for n in names}
+    # The tiny random model's greedy text soon repeats itself: prompt lookup finds its loops.
+    rng = random.Random(5)
+    jobs = [(f"spec-{i}", random_prompt(rng, 12), 120) for i in range(3)]
+    for request_id, prompt, n in jobs:
+        send(r, request_id, prompt, n)
+    finals = list(replies.wait(*(j[0] for j in jobs)).values())
+    delta = {n: worker.metric(n) - before[n] for n in names}
+    assert all(0 <= f.accepted_draft_tokens <= f.draft_tokens for f in finals)
+    assert sum(f.accepted_draft_tokens for f in finals) > 0
+    assert delta[names[0]] == sum(f.draft_tokens for f in finals)
+    assert delta[names[1]] == sum(f.accepted_draft_tokens for f in finals)
+    speculated = sum(1 for f in finals if f.draft_tokens)
+    assert delta[names[2]] == delta[names[3]] == speculated
+
+
 def test_step_phases_are_exported_per_step_and_add_up_to_the_step(stack, replies):
     """jitney_step_phase_seconds: each engine phase once per step, summing to the step's
     duration; `publish` once per reply round trip."""

@@ -1,11 +1,14 @@
-"""Client-side helpers for the whole-system tests: streaming over HTTP, the offline reference."""
+"""Client-side helpers for the whole-system tests: streaming over HTTP, the offline reference,
+what the model's queues hold, placement's reads."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 
 import aiohttp
+import redis
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
@@ -14,9 +17,14 @@ from engine.models.model_loader import LoadedModel, load_model
 from engine.outputs import CompletedRequest
 from generation import SamplingParams
 from generation.detokenizer import IncrementalDetokenizer
+from protocol import WORKER_GROUP, Keys
 from tests.engine.engine_helpers import NEAR_TIE, near_ties, next_token_logprobs
+from tests.services import Worker, wait_for
 
 MODEL = "tiny-random"
+KEYS = Keys()
+PLACED = ("--prefix-placement",)  # gateway and workers (off by default)
+OUTCOMES = ("own", "shared", "stolen")  # where an entry a worker read waited
 
 
 def offline(prompts: list[list[int]], max_tokens: int) -> list[CompletedRequest]:
@@ -49,6 +57,75 @@ async def stream_completion(
             if chunk.get("usage"):
                 usage = chunk["usage"]
     return text, usage
+
+
+async def complete(
+    session: aiohttp.ClientSession, base: str, prompt: list[int], **extra: object
+) -> dict:
+    """A non-streaming greedy completion (6 tokens unless `extra` says otherwise)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+def queue_streams(r: redis.Redis) -> list[str]:
+    """Every stream of the model's queues: the shared one and, with placement, the workers' own
+    streams (listed in the queue set)."""
+    listed = [_text(q) for q in r.zrange(KEYS.queues(MODEL), 0, -1)]
+    return list(dict.fromkeys([KEYS.requests(MODEL), *listed]))
+
+
+def pending_by_consumer(r: redis.Redis, streams: list[str] | None = None) -> dict[str, int]:
+    """Consumer (worker id) -> entries it read and has not acknowledged, in `streams` (every
+    stream of the model's queues unless given)."""
+    pending: Counter[str] = Counter()
+    for stream in queue_streams(r) if streams is None else streams:
+        try:
+            consumers = r.xinfo_consumers(stream, WORKER_GROUP)
+        except redis.ResponseError:  # gone since listed (a dead worker's emptied own stream)
+            continue
+        pending.update({_text(c["name"]): c["pending"] for c in consumers})
+    return dict(pending)
+
+
+def assert_nothing_left(r: redis.Redis) -> None:
+    """Every entry of every stream of the model's queues, own streams included, acknowledged and
+    deleted (nothing else per request is kept: its replies are its gateway's to trim)."""
+    for stream in queue_streams(r):
+        wait_for(lambda s=stream: _unfinished(r, s) == (0, 0), 10, f"{stream} empty")
+
+
+def _unfinished(r: redis.Redis, stream: str) -> tuple[int, int]:
+    """(entries, pending entries) of `stream`; a stream gone holds none."""
+    try:
+        return r.xlen(stream), r.xpending(stream, WORKER_GROUP)["pending"]
+    except redis.ResponseError:
+        return r.xlen(stream), 0
+
+
+def reads(workers: list[Worker]) -> dict[tuple[str, str], float]:
+    """(worker, outcome) -> entries that worker read, by where they waited."""
+    return {
+        (w.worker_id, o): w.metric("jitney_placement_reads_total", outcome=o)
+        for w in workers
+        for o in OUTCOMES
+    }
+
+
+def read_since(before: dict, workers: list[Worker]) -> dict[tuple[str, str], float]:
+    """What was read since `before`: only the (worker, outcome) pairs that moved."""
+    now = reads(workers)
+    return {k: now[k] - before[k] for k in now if now[k] != before[k]}
+
+
+def own_reads(workers: list[Worker]) -> float:
+    """Entries the workers read from their own streams (placed there by a gateway)."""
+    return sum(w.metric("jitney_placement_reads_total", outcome="own") for w in workers)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def assert_same_greedy_text(

@@ -22,8 +22,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.models.model_loader import load_model
 from engine.pooling import normalize
-from tests.service.helpers import MODEL
-from tests.service.test_faults import assert_nothing_left
+from tests.service.helpers import MODEL, assert_nothing_left
 from tests.services import System, running_system, start_worker, wait_for, wait_ready
 
 TOL = 1e-5

@@ -12,13 +12,23 @@ import pytest
 import redis
 
 from engine.models.model_loader import load_model
-from protocol import WORKER_GROUP, Keys
-from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
-from tests.services import Worker, http_status, running_system, start_worker, wait_for
+from tests.service.helpers import (
+    KEYS,
+    MODEL,
+    PLACED,
+    assert_nothing_left,
+    assert_same_greedy_text,
+    complete,
+    offline,
+    own_reads,
+    pending_by_consumer,
+    read_since,
+    reads,
+    stream_completion,
+)
+from tests.services import System, Worker, http_status, running_system, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
-KEYS = Keys()
-REQUESTS = KEYS.requests(MODEL)
 
 
 def random_prompts(seed: int, n: int) -> list[list[int]]:
@@ -26,11 +36,26 @@ def random_prompts(seed: int, n: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 30))] for _ in range(n)]
 
 
-def assert_nothing_left(r: redis.Redis) -> None:
-    """Every entry acknowledged and deleted (nothing else per request is kept: its replies are
-    its gateway's to trim)."""
-    assert r.xlen(REQUESTS) == 0
-    assert r.xpending(REQUESTS, WORKER_GROUP)["pending"] == 0
+async def placed_prompts(
+    session: aiohttp.ClientSession, system: System, prompts: list[list[int]]
+) -> list[list[int]]:
+    """`prompts`, each after one of two 48-token prefixes (three full blocks), one held by each
+    worker: a prefix is first sent alone (a short request, read from the shared stream) until
+    each worker has read one. Each prompt is then placed on the own stream of the worker holding
+    its prefix (while that worker has room)."""
+    rng = random.Random(29)
+    held: dict[str, list[int]] = {}  # worker id -> the prefix it holds
+    for _ in range(10):
+        prefix = [rng.randrange(3, 250) for _ in range(48)]
+        before = reads(system.workers)
+        await complete(session, system.base, prefix, max_tokens=1)
+        ((worker_id, _),) = read_since(before, system.workers)
+        held.setdefault(worker_id, prefix)
+        if len(held) == len(system.workers):
+            break
+    assert len(held) == len(system.workers), f"one worker read every prefix: {held.keys()}"
+    prefixes = list(held.values())
+    return [[*prefixes[i % len(prefixes)], *p] for i, p in enumerate(prompts)]
 
 
 def start_streams(
@@ -50,13 +75,16 @@ async def wait_generating(workers: list[Worker], tokens: int) -> None:
 
 
 def by_pending(r: redis.Redis, workers: list[Worker]) -> tuple[list[Worker], dict[str, int]]:
-    """The workers, most pending entries first, and the pending counts."""
-    pending = {_text(c["name"]): c["pending"] for c in r.xinfo_consumers(REQUESTS, WORKER_GROUP)}
+    """The workers, most pending entries first (in any stream of the model's queues), and the
+    pending counts."""
+    pending = pending_by_consumer(r)
     return sorted(workers, key=lambda w: -pending.get(w.worker_id, 0)), pending
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def own_pending(r: redis.Redis, worker: Worker) -> int:
+    """Entries `worker` read from its own stream (placed there) and has not acknowledged."""
+    own = KEYS.requests(MODEL, worker=worker.worker_id)
+    return pending_by_consumer(r, [own]).get(worker.worker_id, 0)
 
 
 def kv_idle(worker: Worker) -> bool:
@@ -72,26 +100,35 @@ DRAFTING = ("--speculative-model", MODEL, "--speculative-max-step-tokens", "64")
 
 
 @pytest.mark.parametrize(
-    "flags", [(), SPECULATING, DRAFTING], ids=["plain", "speculating", "draft-model"]
+    "flags",
+    [(), SPECULATING, DRAFTING, PLACED],
+    ids=["plain", "speculating", "draft-model", "placement"],
 )
 async def test_worker_killed_mid_generation_loses_and_repeats_nothing(flags: tuple[str, ...]):
     """12 concurrent greedy streams over two workers; one worker is SIGKILLed at a random
     moment mid-generation. The other takes its requests over (lease expiry, fence, XCLAIM) and
     continues after the tokens already delivered: every client's text equals a no-fault run.
-    Speculating, the victim dies between verifications that gave several tokens a step."""
+    Speculating, the victim dies between verifications that gave several tokens a step. With
+    placement, requests were placed on (and read from) the own stream of the worker holding
+    their prefix: those the victim read are taken over from there."""
+    placed, speculating = flags == PLACED, flags in (SPECULATING, DRAFTING)
     # Speculating, a step gives up to five tokens: longer replies keep every request in
     # flight past the kill (160 tokens were done within the wait, some runs).
-    n, prompts = (480 if flags else 160), random_prompts(11, 12)
+    n, prompts = (480 if speculating else 160), random_prompts(11, 12)
     body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-    with running_system(("k1", "k2"), worker_flags=flags) as system:
+    gateway_flags = PLACED if placed else ()
+    with running_system(("k1", "k2"), flags, gateway_flags=gateway_flags) as system:
         r = system.server.client()
         async with aiohttp.ClientSession() as session:
+            if placed:
+                prompts = await placed_prompts(session, system, prompts)
             streams = start_streams(session, system.base, body, prompts)
             # Both workers generating, then a random moment later, the busier one dies.
             await wait_generating(system.workers, 20)
             await asyncio.sleep(random.Random(3).uniform(0.0, 0.8))
             (victim, survivor), pending = by_pending(r, system.workers)
             assert pending.get(victim.worker_id, 0) > 0
+            placed_pending = own_pending(r, victim) if placed else 0
             victim.proc.proc.kill()
             results = await asyncio.wait_for(asyncio.gather(*streams), 120)
         ref = load_model(MODEL)
@@ -100,8 +137,10 @@ async def test_worker_killed_mid_generation_loses_and_repeats_nothing(flags: tup
             assert_same_greedy_text(ref, prompt, text, want)
         taken = survivor.metric("jitney_request_handoffs_total", event="taken_over")
         assert taken == pending[victim.worker_id]
-        if flags:
+        if speculating:
             assert survivor.metric("jitney_spec_decode_num_accepted_tokens_total") > 0
+        if placed:  # some of what it took over waited in the victim's own stream
+            assert placed_pending > 0 and own_reads([survivor]) > 0
         assert r.exists(KEYS.fenced(victim.worker_id))
         wait_for(lambda: kv_idle(survivor), 10, "survivor idle")
         assert_nothing_left(r)
@@ -204,19 +243,25 @@ async def test_redis_restart_mid_stream_ends_every_request(appendonly):
         wait_for(lambda: kv_idle(worker), 30, "worker idle")
 
 
-async def test_a_paused_worker_is_fenced_and_its_requests_finish_elsewhere():
+@pytest.mark.parametrize("placed", [False, True], ids=["shared", "placement"])
+async def test_a_paused_worker_is_fenced_and_its_requests_finish_elsewhere(placed: bool):
     """A worker frozen past its lease (SIGSTOP: a long GC pause, a partition) has its requests
     taken over; when it wakes up its late writes are refused (fenced), it drops those requests
-    and rejoins. Each client still sees one stream without repeats or gaps."""
+    and rejoins. Each client still sees one stream without repeats or gaps. With placement,
+    requests were placed on the own stream of the worker holding their prefix."""
     n, prompts = 120, random_prompts(21, 6)
     body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     slow = {"JITNEY_FAILPOINTS": "step_delay_ms=15"}  # 120 tokens take about 2 s per worker
-    with running_system(("s1", "s2"), worker_env=slow) as system:
+    flags = PLACED if placed else ()
+    with running_system(("s1", "s2"), flags, slow, gateway_flags=flags) as system:
         r = system.server.client()
         async with aiohttp.ClientSession() as session:
+            if placed:
+                prompts = await placed_prompts(session, system, prompts)
             streams = start_streams(session, system.base, body, prompts)
             await wait_generating(system.workers, 5)
             (paused, survivor), _ = by_pending(r, system.workers)
+            placed_pending = own_pending(r, paused) if placed else 0
             paused.proc.proc.send_signal(signal.SIGSTOP)
             await asyncio.to_thread(
                 wait_for,
@@ -235,6 +280,8 @@ async def test_a_paused_worker_is_fenced_and_its_requests_finish_elsewhere():
         for w in system.workers:
             wait_for(lambda w=w: kv_idle(w), 10, "idle")
         assert_nothing_left(r)
+        if placed:  # some of what was taken over waited in the paused worker's own stream
+            assert placed_pending > 0 and own_reads(system.workers) > 0
 
 
 async def test_gateway_sigterm_drains_open_streams_then_exits():
@@ -300,14 +347,18 @@ async def test_gateway_shutdown_timeout_cancels_what_is_still_open():
         assert worker.metric("jitney_requests_finished_total", reason="abort") == 1
 
 
-async def test_a_hung_step_lets_the_lease_lapse_and_another_worker_finishes():
+@pytest.mark.parametrize("placed", [False, True], ids=["shared", "placement"])
+async def test_a_hung_step_lets_the_lease_lapse_and_another_worker_finishes(placed: bool):
     """A worker whose step hangs (8 s here, past --stall-timeout 1 s plus the 5 s lease) stops
     renewing its lease although the process is alive; a second worker takes the request over and
-    finishes it; the hung one, when its step returns, is refused (fenced) and rejoins."""
+    finishes it; the hung one, when its step returns, is refused (fenced) and rejoins. With
+    placement on, nothing is placed (one worker when the request comes, and a warm-up would hang
+    too), but both read, take over and fence with own streams and summaries about."""
     body = {"model": MODEL, "prompt": "hang", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     hang = {"JITNEY_FAILPOINTS": "step_delay_ms=8000"}
-    flags = ("--stall-timeout", "1", "--idle-block-ms", "200")
-    with running_system(("hung",), flags, hang) as system:
+    placement = PLACED if placed else ()
+    flags = ("--stall-timeout", "1", "--idle-block-ms", "200", *placement)
+    with running_system(("hung",), flags, hang, gateway_flags=placement) as system:
         (hung,) = system.workers
         r = system.server.client()
         async with aiohttp.ClientSession() as session:
@@ -315,9 +366,9 @@ async def test_a_hung_step_lets_the_lease_lapse_and_another_worker_finishes():
                 session.post(f"{system.base}/v1/completions", json={**body, "stream": False})
             )
             await asyncio.to_thread(
-                wait_for, lambda: by_pending(r, [hung])[1].get("hung", 0) == 1, 30, "taken"
+                wait_for, lambda: pending_by_consumer(r).get("hung", 0) == 1, 30, "taken"
             )
-            helper = start_worker(system.server, "helper")
+            helper = start_worker(system.server, "helper", *placement)
             try:
                 resp = await asyncio.wait_for(call, 60)
                 assert resp.status == 200

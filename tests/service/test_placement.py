@@ -11,33 +11,25 @@ import time
 
 import aiohttp
 import pytest
-import redis
 
 from engine.models.model_loader import load_model
-from protocol import HEARTBEAT_TTL_S, Keys
-from tests.service.helpers import MODEL, assert_same_greedy_text, offline, stream_completion
-from tests.services import Worker, running_system, start_worker, wait_for, wait_ready
+from protocol import HEARTBEAT_TTL_S
+from tests.service.helpers import (
+    KEYS,
+    MODEL,
+    PLACED,
+    assert_nothing_left,
+    assert_same_greedy_text,
+    complete,
+    offline,
+    read_since,
+    reads,
+    stream_completion,
+)
+from tests.services import running_system, start_worker, wait_for, wait_ready
 
 pytestmark = pytest.mark.slow
-KEYS = Keys()
 BLOCK = 16  # the workers' default block size
-OUTCOMES = ("own", "shared", "stolen")
-PLACED = ("--prefix-placement",)  # gateway and workers (off by default)
-
-
-def reads(workers: list[Worker]) -> dict[tuple[str, str], float]:
-    """(worker, outcome) -> entries that worker read, by where they waited."""
-    return {
-        (w.worker_id, o): w.metric("jitney_placement_reads_total", outcome=o)
-        for w in workers
-        for o in OUTCOMES
-    }
-
-
-def read_since(before: dict, workers: list[Worker]) -> dict[tuple[str, str], float]:
-    """What was read since `before`: only the (worker, outcome) pairs that moved."""
-    now = reads(workers)
-    return {k: now[k] - before[k] for k in now if now[k] != before[k]}
 
 
 class Conversation:
@@ -54,15 +46,6 @@ class Conversation:
     def next_turn(self) -> list[int]:
         self.prompt = [*self.prompt, *self.words(8), *self.words(12)]
         return self.prompt
-
-
-async def complete(
-    session: aiohttp.ClientSession, base: str, prompt: list[int], **extra: object
-) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
-    async with session.post(f"{base}/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        return await resp.json()
 
 
 async def test_turns_go_to_the_worker_holding_the_conversation_and_a_dead_one_s_summary_goes():
@@ -160,10 +143,4 @@ async def test_an_entry_placed_on_a_frozen_then_killed_worker_is_served_elsewher
         assert_same_greedy_text(ref, running_prompt, finished[0], want_running)
         assert_same_greedy_text(ref, placed_prompt, placed[0], want_placed)
         assert finished[1]["completion_tokens"] == n and placed[1]["completion_tokens"] == 20
-        assert_every_queue_empty(r)
-
-
-def assert_every_queue_empty(r: redis.Redis) -> None:
-    """Every stream of the model's queues, own streams included, holds nothing."""
-    for queue in [*r.zrange(KEYS.queues(MODEL), 0, -1), KEYS.requests(MODEL).encode()]:
-        wait_for(lambda q=queue: r.xlen(q) == 0, 10, f"{queue!r} empty")
+        assert_nothing_left(r)

@@ -89,6 +89,41 @@ def quant_linear(
     return F.linear(x, dequantize(blocks, MATRIX_KINDS[kind], rows))
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 [T, K] -> (hi, lo int8 [T, K], scale float32 [T, K/32]): each block of 32 as two
+    int8 digits, x ~ scale * (254 hi + lo) (the VNNI kernel's activations, csrc/quant_vnni.cpp)."""
+    t, k = x.shape
+    blocks = x.reshape(t, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    # (true divisions: `127 / amax` or `amax / 127` would multiply by a reciprocal, an ulp apart)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
+    v = blocks * inv.unsqueeze(-1)
+    hi = v.round()
+    lo = ((v - hi) * 254).round()
+    scale = amax.div(torch.full_like(amax, 127)).div(torch.full_like(amax, 254))
+    return hi.to(torch.int8).reshape(t, k), lo.to(torch.int8).reshape(t, k), scale
+
+
+def quant_linear_int8_activations(
+    x: torch.Tensor, blocks: torch.Tensor, kind: str, rows: int
+) -> torch.Tensor:
+    """What the VNNI one-pass kernel computes, in float64: per block, d * scale * (the exact
+    integer dot of the weight quants and 254 hi + lo), plus Q4_1's m * sum(x) with the float
+    activations' block sums."""
+    qw, d, m = unpack(blocks, kind, rows)
+    hi, lo, scale = quantize_activations(x)
+    digits = hi.double() * 254 + lo.double()
+    t, k = x.shape
+    y = torch.zeros(t, rows, dtype=torch.float64)
+    for b in range(k // BLOCK):
+        cols = slice(b * BLOCK, (b + 1) * BLOCK)
+        dot = digits[:, cols] @ qw[:, cols].double().T  # exact: integers below 2^53
+        y += dot * (scale[:, b : b + 1].double() * d[:, b].double())
+        if m is not None:
+            y += x[:, cols].double().sum(dim=1, keepdim=True) * m[:, b].double()
+    return y
+
+
 def q8_0_embedding(ids: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
     flat = ids.reshape(-1).long()
     if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < rows):

@@ -18,18 +18,18 @@ def ref() -> LoadedModel:
 
 @pytest.fixture
 def exact_linears():
-    """The quantized linears on their exact float32 paths only: AMX's bf16 tiles capped off for
-    the test (a machine without AMX never takes them), so two ways of computing the same layer
-    can be compared to float32 rounding."""
+    """The quantized linears on their exact float32 paths only: AMX's bf16 tiles and the VNNI
+    one pass's int8 activations capped off for the test (a machine without them never takes
+    them), so two ways of computing the same layer can be compared to float32 rounding."""
     from engine.kernels import kernel_backend
 
     backend = kernel_backend()
     before = backend.isa
-    if before == "amx":
+    if before in ("vnni", "amx"):
         backend.set_isa("avx512")
     yield
-    if before == "amx":
-        backend.set_isa("amx")
+    if before in ("vnni", "amx"):
+        backend.set_isa(before)
 
 
 def _available_isas() -> tuple[str, ...]:

@@ -60,7 +60,7 @@ def test_uncovered_block_types_are_named_and_refused_when_asked_for(smollm2) -> 
     assert COVERED_KINDS == ("Q4_0", "Q4_1", "Q8_0")
 
 
-def test_q4_0_blocks_run_on_the_q4_1_kernels_exactly() -> None:
+def test_q4_0_blocks_run_on_the_q4_1_kernels_exactly(exact_linears) -> None:
     """Q4_0 (d * (q - 8)) becomes Q4_1 with m = -8 d: the same weights bit for bit, and the same
     products as the dequantized matrix."""
     rng = np.random.default_rng(0)

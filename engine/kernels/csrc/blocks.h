@@ -38,7 +38,9 @@ struct PackedMatrix {
 
 // The instruction sets the kernels are written for, in order; a CPU runs the highest it has
 // (cpu_isa.cpp), or a lower one when capped (JITNEY_KERNEL_ISA, jitney_set_isa).
-enum Isa : int { kAvx2 = 0, kAvx512 = 1, kAmx = 2 };
+// kVnni: AVX-512 with VNNI and VBMI, whose one-pass kernel takes int8 activations (quant_vnni.cpp);
+// kAmx implies it.
+enum Isa : int { kAvx2 = 0, kAvx512 = 1, kVnni = 2, kAmx = 3 };
 int active_isa();
 
 // y[t, n] for groups [g0, g1) and all T tokens, ldy = y's row stride; x [T, K] contiguous, sx
@@ -47,6 +49,19 @@ void gemv_avx2(const PackedMatrix& w, const float* x, const float* sx, int64_t T
                int64_t ldy, int64_t g0, int64_t g1);
 void gemv_avx512(const PackedMatrix& w, const float* x, const float* sx, int64_t T, float* y,
                  int64_t ldy, int64_t g0, int64_t g1);
+// Activations as two int8 digits per value, per block of 32 (quant_vnni.cpp says why):
+// x ~ scale * (254 hi + lo); hi, lo [T, K]; scale, and the digits' sums, [T, NB].
+struct Int8Digits {
+  int8_t* hi;
+  int8_t* lo;
+  float* scale;
+  int32_t* hi_sum;
+  int32_t* lo_sum;
+};
+void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out);
+// The one pass with integer dot products (quant_vnni.cpp); sx as above.
+void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
+               int64_t ldy, int64_t g0, int64_t g1);
 // The whole product with AMX tiles (bf16 weights and activations, float32 sums); xb is x in
 // bf16, [ceil(T/16) * 16, K] with zero rows past T.
 void amx_linear(const PackedMatrix& w, const uint16_t* xb, int64_t T, float* y, int64_t ldy);

@@ -5,8 +5,9 @@
 //
 // Paths, chosen per call by the number of tokens T and the instruction set in use (cpu_isa.cpp):
 //   one pass (T < batched_min_tokens): the weights stream from memory once; each unpacked record
-//          serves a few tokens in registers, float32 activations kept exact (gemv_avx512, or
-//          gemv_avx2 here).
+//          serves a few tokens in registers: with VNNI, activations rounded to two int8 digits
+//          per block and integer dot products (gemv_vnni); else float32 activations kept exact
+//          (gemv_avx512, or gemv_avx2 here).
 //   batched (T >= batched_min_tokens): with AMX, bf16 tiles (amx_linear); otherwise each thread
 //          dequantizes panels of rows into float32 columns that stay in L2 and multiplies them
 //          with MKL's sgemm (at::mm_out).
@@ -26,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "blocks.h"
@@ -38,10 +40,12 @@ namespace {
 // NOTE: from this many tokens on a linear takes its batched path, per instruction set and kind;
 // measured with `python -m bench.kernels --crossover` (docs/performance.md has the tables): with
 // AMX, the one-pass kernel (tiles of up to 8 tokens) is faster up to 8 tokens and the bf16 tiles
-// from 9 (2 threads); AVX2 panels + sgemm win from 32 (Q4_1) and 24 (Q8_0) on Zen 3, and AVX-512
-// without AMX keeps AVX2's.
+// from 9 (2 threads); AVX2 panels + sgemm win from 32 (Q4_1) and 24 (Q8_0) on Zen 3; with AVX-512
+// and no AMX (Zen 4), the one pass (float or VNNI) beat panels + sgemm at every T measured, up to
+// 256, by 1.2-1.9x: no batched path.
 int64_t auto_crossover(int isa, Kind kind) {
   if (isa >= kAmx) return 9;
+  if (isa >= kAvx512) return std::numeric_limits<int64_t>::max();
   return kind == Kind::kQ4_1 ? 32 : 24;
 }
 
@@ -187,6 +191,22 @@ at::Tensor block_sums(const at::Tensor& x) {
   return sx;
 }
 
+// x as int8 digits (quant_vnni.cpp), for the integer-dot one pass: one buffer per thread, kept.
+struct Int8Activations {
+  std::vector<int8_t> digits;
+  std::vector<float> scale;
+  std::vector<int32_t> sums;
+  Int8Digits view;
+  void quantize(const float* x, int64_t T, int64_t K) {
+    const int64_t nb = T * K / kBlock;
+    digits.resize(2 * T * K);
+    scale.resize(nb);
+    sums.resize(2 * nb);
+    view = {digits.data(), digits.data() + T * K, scale.data(), sums.data(), sums.data() + nb};
+    quantize_activations(x, T, K, view);
+  }
+};
+
 void one_pass(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y, int isa) {
   const int64_t T = x.size(0);
   const at::Tensor sx = w.kind == Kind::kQ4_1 ? block_sums(x) : at::Tensor();
@@ -196,6 +216,16 @@ void one_pass(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y, int isa
   // Two chunks per thread, so each streams long runs of the matrix (the prefetchers need them),
   // yet a thread that falls behind holds up half its share.
   const int64_t chunk = std::max<int64_t>(1, (w.G + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads()));
+  if (isa >= kVnni) {
+    static thread_local Int8Activations xq;
+    xq.quantize(xp, T, w.K());
+    // A copy: the pool's threads name their own (empty) thread_local, not this one.
+    const Int8Digits view = xq.view;
+    parallel_chunks(w.G, chunk, [&](int64_t g0, int64_t g1) {
+      gemv_vnni(w, view, sp, T, yp, w.N, g0, g1);
+    });
+    return;
+  }
   parallel_chunks(w.G, chunk, [&](int64_t g0, int64_t g1) {
     if (isa >= kAvx512) {
       gemv_avx512(w, xp, sp, T, yp, w.N, g0, g1);

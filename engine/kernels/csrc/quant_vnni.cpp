@@ -1,0 +1,205 @@
+// The one-pass kernel with integer dot products (AVX-512 VNNI and VBMI): a few tokens at a time,
+// as gemv_avx512, but each token's activations are first rounded to integers per block of 32 and
+// each record's quants are multiplied with them four at a time by vpdpbusd (unsigned weight
+// bytes times signed activation bytes, summed into int32). A 16-lane float FMA does 16
+// multiply-adds, a vpdpbusd 64: past one or two tokens the float kernel is bound by its FMAs,
+// not by the weights' read, which is what a verification step of one sequence and its drafts
+// (or a small decode batch) pays for.
+//
+// One int8 per activation (llama.cpp's Q8 activations) cost SmolLM2-135M 1.2% perplexity, past
+// the 1% the 4-bit path may lose (docs/performance.md), so each activation is two int8 digits:
+// x ~ dx * (hi + lo / 254), dx = max|x| / 127 over the block, hi = round(x / dx), lo =
+// round((x / dx - hi) * 254): about 15 bits, within 1.5e-5 of the block's largest value, for two
+// vpdpbusd per token and four elements.
+//
+// Per block and token the integer sums are exact; the block's float epilogue is
+// d * dx / 254 * (254 hi_sum + lo_sum) (+ m * sum(x) for Q4_1, that sum in float32 from the exact
+// activations), in the same order for every token, so a token's result does not depend on the
+// others in the call. reference.py's quant_linear_int8_activations is the same arithmetic.
+//
+// Lanes are the record's 16 rows, as everywhere (blocks.h); vpdpbusd wants each lane to hold
+// four consecutive elements of its row, which one vpermb (and for Q4_1 one vpmultishiftqb to
+// pick the nibbles) makes out of the element-major record.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "blocks.h"
+
+namespace jitney_kernels {
+namespace {
+
+// vpermb indices, constant (no code runs when the library loads, so a CPU without AVX-512 loads it too). Q4_1: a 64-byte load holds pairs 4h..4h+3 ([pair][16 rows]); for
+// elements 4j..4j+3 (pairs 2j, 2j+1: s = j - 2h picks which two of the four) lane r gets bytes
+// (pair 2j, row r), (pair 2j+1, row r) in its low two bytes. Q8_0: a 64-byte load holds elements
+// 4j..4j+3 ([element][16 rows]); lane r gets its row's four.
+struct Indices {
+  alignas(64) uint8_t q4[2][64];
+  alignas(64) uint8_t q8[64];
+  constexpr Indices() : q4{}, q8{} {
+    for (int r = 0; r < 16; ++r) {
+      for (int s = 0; s < 2; ++s) {
+        q4[s][4 * r] = static_cast<uint8_t>(32 * s + r);
+        q4[s][4 * r + 1] = static_cast<uint8_t>(32 * s + 16 + r);
+        q4[s][4 * r + 2] = q4[s][4 * r + 3] = 0;  // not read by the nibble shifts
+      }
+      for (int e = 0; e < 4; ++e) q8[4 * r + e] = static_cast<uint8_t>(16 * e + r);
+    }
+  }
+};
+constexpr Indices kIndices;
+
+}  // namespace
+}  // namespace jitney_kernels
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")
+#include <immintrin.h>
+
+namespace jitney_kernels {
+namespace {
+
+inline __m512 load_f16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+
+// Per 64-bit pair of lanes, the bit offsets of the four nibbles of each lane's two bytes:
+// lane bytes (b0, b1) -> (b0 & 15, b0 >> 4, b1 & 15, b1 >> 4) once masked with 0x0F.
+constexpr int64_t kNibbleShifts = 0x2C2824200C080400LL;
+
+constexpr int64_t kPrefetchRecords = 6;  // as gemv_avx512
+
+// Elements 4j..4j+3 of the record's 16 rows as unsigned bytes, four per lane (Q8_0: + 128).
+template <Kind kKind>
+inline __m512i quads(const uint8_t* rec, int j) {
+  if constexpr (kKind == Kind::kQ4_1) {
+    const __m512i v = _mm512_loadu_si512(rec + 64 * (j / 2));
+    const __m512i idx = _mm512_load_si512(kIndices.q4[j % 2]);
+    const __m512i bytes = _mm512_permutexvar_epi8(idx, v);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(kNibbleShifts), bytes),
+                            _mm512_set1_epi8(0x0F));
+  } else {
+    const __m512i v = _mm512_loadu_si512(rec + 64 * j);
+    const __m512i w = _mm512_permutexvar_epi8(_mm512_load_si512(kIndices.q8), v);
+    return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // int8 -> w + 128
+  }
+}
+
+// TT tokens (1-8) of group g, C independent integer sums per block and token (C = 2 breaks the
+// chain of eight dependent vpdpbusd a block is for one or two tokens).
+template <Kind kKind, int TT, int C>
+void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const float* sx,
+                int64_t t0, float* y, int64_t ldy) {
+  const int64_t K = w.K(), NB = w.NB, R = record_bytes(kKind);
+  const uint8_t* end = w.base + w.G * w.NB * R;
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* rec = w.record(g, b);
+    const uint8_t* ahead = rec + kPrefetchRecords * R;
+    if (ahead < end) {
+      for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    }
+    __m512i hi[TT][C], lo[TT][C];
+    for (int t = 0; t < TT; ++t)
+      for (int c = 0; c < C; ++c) hi[t][c] = lo[t][c] = _mm512_setzero_si512();
+    const int64_t xoff = t0 * K + b * kBlock;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i wq = quads<kKind>(rec, j);
+      const int c = j % C;
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) {
+        int32_t h, l;
+        __builtin_memcpy(&h, x.hi + xoff + t * K + 4 * j, 4);
+        __builtin_memcpy(&l, x.lo + xoff + t * K + 4 * j, 4);
+        hi[t][c] = _mm512_dpbusd_epi32(hi[t][c], wq, _mm512_set1_epi32(h));
+        lo[t][c] = _mm512_dpbusd_epi32(lo[t][c], wq, _mm512_set1_epi32(l));
+      }
+    }
+    const __m512 d = load_f16(rec + scales_offset(kKind));
+    for (int t = 0; t < TT; ++t) {
+      __m512i sh = hi[t][0], sl = lo[t][0];
+      if constexpr (C == 2) {
+        sh = _mm512_add_epi32(sh, hi[t][1]);
+        sl = _mm512_add_epi32(sl, lo[t][1]);
+      }
+      const int64_t tb = (t0 + t) * NB + b;
+      if constexpr (kKind == Kind::kQ8_0) {  // the weights were read as w + 128
+        sh = _mm512_sub_epi32(sh, _mm512_set1_epi32(128 * x.hi_sum[tb]));
+        sl = _mm512_sub_epi32(sl, _mm512_set1_epi32(128 * x.lo_sum[tb]));
+      }
+      const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh), _mm512_set1_ps(254.0f),
+                                       _mm512_cvtepi32_ps(sl));
+      acc[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(x.scale[tb])), acc[t]);
+    }
+    if constexpr (kKind == Kind::kQ4_1) {
+      const __m512 m = load_f16(rec + scales_offset(kKind) + 32);
+      for (int t = 0; t < TT; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(t0 + t) * NB + b]), acc[t]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << w.rows_in(g)) - 1);
+  for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + g * kGroup, mask, acc[t]);
+}
+
+template <Kind kKind>
+void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
+               int64_t ldy, int64_t g0, int64_t g1) {
+  // Group-major with tiles of up to 8 tokens, as gemv_avx512.
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t t0 = 0;
+    for (; t0 + 8 <= T; t0 += 8) gemv_group<kKind, 8, 1>(w, g, x, sx, t0, y, ldy);
+    switch (T - t0) {
+      case 1: gemv_group<kKind, 1, 2>(w, g, x, sx, t0, y, ldy); break;
+      case 2: gemv_group<kKind, 2, 2>(w, g, x, sx, t0, y, ldy); break;
+      case 3: gemv_group<kKind, 3, 1>(w, g, x, sx, t0, y, ldy); break;
+      case 4: gemv_group<kKind, 4, 1>(w, g, x, sx, t0, y, ldy); break;
+      case 5: gemv_group<kKind, 5, 1>(w, g, x, sx, t0, y, ldy); break;
+      case 6: gemv_group<kKind, 6, 1>(w, g, x, sx, t0, y, ldy); break;
+      case 7: gemv_group<kKind, 7, 1>(w, g, x, sx, t0, y, ldy); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out) {
+  const __m512 base = _mm512_set1_ps(254.0f);
+  for (int64_t i = 0; i < T * (K / kBlock); ++i) {
+    const float* b = x + i * kBlock;
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(b)), _mm512_abs_ps(_mm512_loadu_ps(b + 16))));
+    out.scale[i] = amax / 127.0f / 254.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      // Rounded to nearest, ties to even (the default rounding mode), as torch.round; v - hi is
+      // exact in float32.
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(b + 16 * h), inv);
+      const __m512 vh = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i qh = _mm512_cvtps_epi32(vh);
+      const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, vh), base));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(qh));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(ql));
+      hs = _mm512_add_epi32(hs, qh);
+      ls = _mm512_add_epi32(ls, ql);
+    }
+    out.hi_sum[i] = _mm512_reduce_add_epi32(hs);
+    out.lo_sum[i] = _mm512_reduce_add_epi32(ls);
+  }
+}
+
+void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
+               int64_t ldy, int64_t g0, int64_t g1) {
+  if (w.kind == Kind::kQ4_1) {
+    gemv_kind<Kind::kQ4_1>(w, x, sx, T, y, ldy, g0, g1);
+  } else {
+    gemv_kind<Kind::kQ8_0>(w, x, sx, T, y, ldy, g0, g1);
+  }
+}
+
+}  // namespace jitney_kernels
+
+#pragma GCC pop_options

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jitney_kernels {
 
@@ -35,6 +36,24 @@ struct PackedMatrix {
   // Rows of group g that exist (16 but in a partial last group).
   int64_t rows_in(int64_t g) const { return N - g * kGroup < kGroup ? N - g * kGroup : kGroup; }
 };
+
+// The one-pass kernels' loop: f(std::integral_constant<int, TT>{}, t0) for each tile of TT tokens
+// starting at t0 (8 at a time, then the rest), so each tile size is its own unrolled instance.
+template <class F>
+inline void token_tiles(int64_t T, const F& f) {
+  int64_t t0 = 0;
+  for (; t0 + 8 <= T; t0 += 8) f(std::integral_constant<int, 8>{}, t0);
+  switch (T - t0) {
+    case 1: f(std::integral_constant<int, 1>{}, t0); break;
+    case 2: f(std::integral_constant<int, 2>{}, t0); break;
+    case 3: f(std::integral_constant<int, 3>{}, t0); break;
+    case 4: f(std::integral_constant<int, 4>{}, t0); break;
+    case 5: f(std::integral_constant<int, 5>{}, t0); break;
+    case 6: f(std::integral_constant<int, 6>{}, t0); break;
+    case 7: f(std::integral_constant<int, 7>{}, t0); break;
+    default: break;
+  }
+}
 
 // The instruction sets the kernels are written for, in order; a CPU runs the highest it has
 // (cpu_isa.cpp), or a lower one when capped (JITNEY_KERNEL_ISA, jitney_set_isa).

@@ -117,18 +117,10 @@ void gemv_kind(const PackedMatrix& w, const float* x, const float* sx, int64_t T
   // Tiles of up to 8 tokens (each unpacked pair serves them all; a verification step of one
   // sequence and its drafts is one tile).
   for (int64_t g = g0; g < g1; ++g) {
-    int64_t t0 = 0;
-    for (; t0 + 8 <= T; t0 += 8) gemv_group<kKind, 8, 2>(w, g, x, sx, t0, y, ldy);
-    switch (T - t0) {
-      case 1: gemv_group<kKind, 1, 4>(w, g, x, sx, t0, y, ldy); break;
-      case 2: gemv_group<kKind, 2, 4>(w, g, x, sx, t0, y, ldy); break;
-      case 3: gemv_group<kKind, 3, 2>(w, g, x, sx, t0, y, ldy); break;
-      case 4: gemv_group<kKind, 4, 2>(w, g, x, sx, t0, y, ldy); break;
-      case 5: gemv_group<kKind, 5, 2>(w, g, x, sx, t0, y, ldy); break;
-      case 6: gemv_group<kKind, 6, 2>(w, g, x, sx, t0, y, ldy); break;
-      case 7: gemv_group<kKind, 7, 2>(w, g, x, sx, t0, y, ldy); break;
-      default: break;
-    }
+    token_tiles(T, [&](auto tile, int64_t t0) {
+      constexpr int TT = decltype(tile)::value;
+      gemv_group<kKind, TT, (TT <= 2 ? 4 : 2)>(w, g, x, sx, t0, y, ldy);
+    });
   }
 }
 

@@ -148,18 +148,10 @@ void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const float* sx, int6
                int64_t ldy, int64_t g0, int64_t g1) {
   // Group-major with tiles of up to 8 tokens, as gemv_avx512.
   for (int64_t g = g0; g < g1; ++g) {
-    int64_t t0 = 0;
-    for (; t0 + 8 <= T; t0 += 8) gemv_group<kKind, 8, 1>(w, g, x, sx, t0, y, ldy);
-    switch (T - t0) {
-      case 1: gemv_group<kKind, 1, 2>(w, g, x, sx, t0, y, ldy); break;
-      case 2: gemv_group<kKind, 2, 2>(w, g, x, sx, t0, y, ldy); break;
-      case 3: gemv_group<kKind, 3, 1>(w, g, x, sx, t0, y, ldy); break;
-      case 4: gemv_group<kKind, 4, 1>(w, g, x, sx, t0, y, ldy); break;
-      case 5: gemv_group<kKind, 5, 1>(w, g, x, sx, t0, y, ldy); break;
-      case 6: gemv_group<kKind, 6, 1>(w, g, x, sx, t0, y, ldy); break;
-      case 7: gemv_group<kKind, 7, 1>(w, g, x, sx, t0, y, ldy); break;
-      default: break;
-    }
+    token_tiles(T, [&](auto tile, int64_t t0) {
+      constexpr int TT = decltype(tile)::value;
+      gemv_group<kKind, TT, (TT <= 2 ? 2 : 1)>(w, g, x, sx, t0, y, ldy);
+    });
   }
 }
 

@@ -9,7 +9,8 @@ order), so anyone with the same Python gets the same tokens. It is cut into wind
 served prompt takes, paged KV cache and all), in chunks of `--chunk` tokens each attending the
 cached ones before it (0: the window in one chunk), and every token after a window's first is
 scored. Small chunks run the quantized layers through their fused kernels, as decode steps do
-(from 24-32 tokens on, a quantized matrix is dequantized into panels for sgemm instead).
+(past the crossover measured for the instruction set, a quantized matrix takes the batched
+path instead: AMX tiles, or panels dequantized for sgemm).
 Modes (each the same weights, kept differently):
   fp32   dense float32 (the exact mode: `--quantization none`)
   bf16   dense bfloat16 (`--dtype bfloat16`)

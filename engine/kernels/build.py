@@ -40,6 +40,7 @@ _SOURCE_NAMES = (
     "quant_avx512",
     "quant_vnni",
     "layer_ops",
+    "attention_avx2",
     "attention_avx512",
     "decode_layers",
     "sampling",

@@ -92,11 +92,16 @@ def _pool(seed: int, num_blocks: int = 24, block_size: int = 16, kv_heads: int =
 @native_only
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("d", [64, 128, 40])  # AVX-512's 4 and 8 vectors a head, then AVX2's
-def test_native_decode_matches_gathered_attention_in_place(window, d, isa):
+# Query heads per KV head: 3 (SmolLM2: the values weighed three heads at a time, or one) and 4
+# (Llama's: two pairs); all five rows (a task per KV head) or one (a task per query head).
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)])
+@pytest.mark.parametrize("rows", [5, 1])
+def test_native_decode_matches_gathered_attention_in_place(window, d, heads, kv_heads, rows, isa):
     """Every instruction set's loop (AVX-512 for head sizes in 16s) equals gathered attention."""
-    key_cache, value_cache, g = _pool(2, d=d)
-    heads, bs = 9, 16
-    ctx = torch.tensor([1, 16, 17, 100, 333])  # one key, a whole block, one more, long ones
+    key_cache, value_cache, g = _pool(2, d=d, kv_heads=kv_heads)
+    bs = 16
+    # one key, a whole block, one more, long ones
+    ctx = torch.tensor([333, 1, 16, 17, 100][:rows])
     tables = torch.stack([torch.randperm(24, generator=g) for _ in ctx])
     q = torch.randn(len(ctx), heads, d, generator=g)
     want = torch.empty_like(q)

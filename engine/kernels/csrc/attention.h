@@ -1,10 +1,28 @@
-// Decode attention's per-(sequence, KV head) loop for AVX-512 (attention_avx512.cpp), called by
-// paged_decode_ (layer_ops.cpp) where the CPU runs AVX-512 and the head size is a multiple of 16.
+// Decode attention's per-(sequence, KV head) loop, called by paged_decode_ (layer_ops.cpp): for
+// AVX-512 where the CPU runs it and the head size is a multiple of 16 (attention_avx512.cpp),
+// else for AVX2 (attention_avx2.cpp).
 #pragma once
 
 #include <cstdint>
 
 namespace jitney_kernels {
+
+constexpr int64_t kMaxHeadVectors = 32;  // head sizes up to 256 floats (paged_decode_ checks)
+
+// Walks positions in order through the block table without a division per position.
+struct Cursor {
+  const int64_t* table;
+  int64_t bs, block_stride, slot_stride, j, off;
+  Cursor(const int64_t* t, int64_t bs_, int64_t blk, int64_t slot, int64_t p)
+      : table(t), bs(bs_), block_stride(blk), slot_stride(slot), j(p / bs_), off(p % bs_) {}
+  int64_t offset() const { return table[j] * block_stride + off * slot_stride; }
+  void next() {
+    if (++off == bs) {
+      off = 0;
+      ++j;
+    }
+  }
+};
 
 // G query heads (q, q_head_stride apart) of one KV head over positions [lo, hi): scores,
 // softmax, weighted sum of values into out (out_head_stride apart). Keys and values are read in
@@ -14,5 +32,11 @@ void attend_one_avx512(const float* q, int64_t q_head_stride, const float* kc, c
                        const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
                        int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
                        int64_t out_head_stride, float* scores);
+
+// The same for AVX2 (a head size that is a multiple of 8).
+void attend_one_avx2(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
+                     const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
+                     int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
+                     int64_t out_head_stride, float* scores);
 
 }  // namespace jitney_kernels

@@ -62,21 +62,6 @@ inline __m512 reduce16(const __m512 a[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xDD));
 }
 
-// Walks positions in order through the block table without a division per position.
-struct Cursor {
-  const int64_t* table;
-  int64_t bs, block_stride, slot_stride, j, off;
-  Cursor(const int64_t* t, int64_t bs_, int64_t blk, int64_t slot, int64_t p)
-      : table(t), bs(bs_), block_stride(blk), slot_stride(slot), j(p / bs_), off(p % bs_) {}
-  int64_t offset() const { return table[j] * block_stride + off * slot_stride; }
-  void next() {
-    if (++off == bs) {
-      off = 0;
-      ++j;
-    }
-  }
-};
-
 template <int NV>  // head size / 16 (0: any, read at run time)
 void attend(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
             const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride, int64_t lo,

@@ -19,6 +19,9 @@ namespace jitney_kernels {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;
+// The one-pass kernels ask for the record this many ahead of the one they use (about 2 KiB of
+// Q4_1): the hardware prefetchers alone fall behind a stream of 320-byte records.
+constexpr int64_t kPrefetchRecords = 6;
 
 enum class Kind : int { kQ4_1 = 0, kQ8_0 = 1 };  // engine/kernels/reference.py MATRIX_KINDS
 
@@ -38,21 +41,23 @@ struct PackedMatrix {
 };
 
 // The one-pass kernels' loop: f(std::integral_constant<int, TT>{}, t0) for each tile of TT tokens
-// starting at t0 (8 at a time, then the rest), so each tile size is its own unrolled instance.
-template <class F>
+// starting at t0 (kMax at a time, then the rest), so each tile size is its own unrolled instance.
+template <int N, class F>
+inline void last_tile(int64_t rest, int64_t t0, const F& f) {
+  if constexpr (N > 0) {
+    if (rest == N) {
+      f(std::integral_constant<int, N>{}, t0);
+    } else {
+      last_tile<N - 1>(rest, t0, f);
+    }
+  }
+}
+
+template <int kMax, class F>
 inline void token_tiles(int64_t T, const F& f) {
   int64_t t0 = 0;
-  for (; t0 + 8 <= T; t0 += 8) f(std::integral_constant<int, 8>{}, t0);
-  switch (T - t0) {
-    case 1: f(std::integral_constant<int, 1>{}, t0); break;
-    case 2: f(std::integral_constant<int, 2>{}, t0); break;
-    case 3: f(std::integral_constant<int, 3>{}, t0); break;
-    case 4: f(std::integral_constant<int, 4>{}, t0); break;
-    case 5: f(std::integral_constant<int, 5>{}, t0); break;
-    case 6: f(std::integral_constant<int, 6>{}, t0); break;
-    case 7: f(std::integral_constant<int, 7>{}, t0); break;
-    default: break;
-  }
+  for (; t0 + kMax <= T; t0 += kMax) f(std::integral_constant<int, kMax>{}, t0);
+  last_tile<kMax - 1>(T - t0, t0, f);
 }
 
 // The instruction sets the kernels are written for, in order; a CPU runs the highest it has

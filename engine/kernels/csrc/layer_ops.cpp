@@ -211,76 +211,7 @@ at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at
   return qk;
 }
 
-constexpr int64_t kMaxHeadVectors = 32;  // head sizes up to 256 floats
 constexpr int64_t kMaxGroup = 16;        // query heads per KV head
-
-// One sequence's G query heads of one KV head over positions [lo, hi): scores (each key loaded
-// once for all G heads), softmax, weighted sum of values (each value loaded once), reading the
-// keys and values where they lie (block j of the table holds positions [j * bs, (j + 1) * bs)).
-// scores is scratch of at least G * (hi - lo) floats (rounded up to 8).
-static void attend_one(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
-                       const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
-                       int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
-                       int64_t out_head_stride, float* scores) {
-  const int64_t n = hi - lo, nv = D / 8, stride = (n + 7) / 8 * 8;
-  __m256 qv[kMaxGroup][kMaxHeadVectors];
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256 s = _mm256_set1_ps(scale);
-    for (int64_t i = 0; i < nv; ++i) qv[g][i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), s);
-  }
-  // Positions block by block (no division per key): block j holds [j * bs, (j + 1) * bs).
-  const auto for_each_position = [&](auto&& f) {
-    for (int64_t j = lo / bs, p = lo; p < hi; ++j) {
-      const int64_t block_end = std::min(hi, (j + 1) * bs);
-      const int64_t base = table[j] * block_stride;
-      for (; p < block_end; ++p) f(p, base + (p - j * bs) * slot_stride);
-    }
-  };
-  for_each_position([&](int64_t p, int64_t offset) {
-    const float* key = kc + offset;
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      int64_t i = 0;
-      for (; i + 2 <= nv; i += 2) {
-        a0 = _mm256_fmadd_ps(qv[g][i], _mm256_loadu_ps(key + 8 * i), a0);
-        a1 = _mm256_fmadd_ps(qv[g][i + 1], _mm256_loadu_ps(key + 8 * i + 8), a1);
-      }
-      if (i < nv) a0 = _mm256_fmadd_ps(qv[g][i], _mm256_loadu_ps(key + 8 * i), a0);
-      scores[g * stride + (p - lo)] = hsum(_mm256_add_ps(a0, a1));
-    }
-  });
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * stride;
-    for (int64_t j = n; j < stride; ++j) sg[j] = -std::numeric_limits<float>::infinity();
-    __m256 mv = ninf;
-    for (int64_t j = 0; j < stride; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + j));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const __m256 top = _mm256_set1_ps(_mm_cvtss_f32(m4));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < stride; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), top));
-      _mm256_storeu_ps(sg + j, e);
-      total = _mm256_add_ps(total, e);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
-    for (int64_t j = 0; j < stride; j += 8) _mm256_storeu_ps(sg + j, _mm256_mul_ps(_mm256_loadu_ps(sg + j), inv));
-  }
-  // The accumulators reuse qv's registers' room: out_g = sum_p w[g, p] v_p.
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < nv; ++i) qv[g][i] = _mm256_setzero_ps();
-  for_each_position([&](int64_t p, int64_t offset) {
-    const float* val = vc + offset;
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256 w = _mm256_set1_ps(scores[g * stride + (p - lo)]);
-      for (int64_t i = 0; i < nv; ++i) qv[g][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * i), qv[g][i]);
-    }
-  });
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + g * out_head_stride + 8 * i, qv[g][i]);
-}
 
 void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
@@ -335,7 +266,7 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
   const int64_t heads_per_task = B * KV >= 2 * at::get_num_threads() ? G : 1;
   const int64_t tasks_per_kv = G / heads_per_task;
   const bool wide = active_isa() >= kAvx512 && D % 16 == 0;  // attention_avx512.cpp
-  const auto attend = wide ? attend_one_avx512 : attend_one;
+  const auto attend = wide ? attend_one_avx512 : attend_one_avx2;
   at::parallel_for(0, B * KV * tasks_per_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads_per_task * ((longest + 15) / 16 * 16));
     for (int64_t i = begin; i < end; ++i) {

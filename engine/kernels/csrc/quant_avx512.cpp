@@ -58,9 +58,6 @@ inline void pair_quants(const uint8_t* rec, int p, __m512& even, __m512& odd) {
   }
 }
 
-// Records this many ahead are asked for while one is used (about 2 KiB of Q4_1).
-constexpr int64_t kPrefetchRecords = 6;
-
 // TT tokens (1-8), each with C independent partial sums per block (C = 4 breaks the chain of
 // 32 multiply-adds a block would otherwise be for one token; with more tokens there is enough
 // independent work with 2). At 8 tokens: 3 x 8 accumulators, within AVX-512's 32 registers.
@@ -117,7 +114,7 @@ void gemv_kind(const PackedMatrix& w, const float* x, const float* sx, int64_t T
   // Tiles of up to 8 tokens (each unpacked pair serves them all; a verification step of one
   // sequence and its drafts is one tile).
   for (int64_t g = g0; g < g1; ++g) {
-    token_tiles(T, [&](auto tile, int64_t t0) {
+    token_tiles<8>(T, [&](auto tile, int64_t t0) {
       constexpr int TT = decltype(tile)::value;
       gemv_group<kKind, TT, (TT <= 2 ? 4 : 2)>(w, g, x, sx, t0, y, ldy);
     });

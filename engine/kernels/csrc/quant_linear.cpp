@@ -7,7 +7,7 @@
 //   one pass (T < batched_min_tokens): the weights stream from memory once; each unpacked record
 //          serves a few tokens in registers: with VNNI, activations rounded to two int8 digits
 //          per block and integer dot products (gemv_vnni); else float32 activations kept exact
-//          (gemv_avx512, or gemv_avx2 here).
+//          (gemv_avx512, or gemv_avx2 here: tiles of 4 tokens, AVX2's sixteen registers).
 //   batched (T >= batched_min_tokens): with AMX, bf16 tiles (amx_linear); otherwise each thread
 //          dequantizes panels of rows into float32 columns that stay in L2 and multiplies them
 //          with MKL's sgemm (at::mm_out).
@@ -40,13 +40,14 @@ namespace {
 // NOTE: from this many tokens on a linear takes its batched path, per instruction set and kind;
 // measured with `python -m bench.kernels --crossover` (docs/performance.md has the tables): with
 // AMX, the one-pass kernel (tiles of up to 8 tokens) is faster up to 8 tokens and the bf16 tiles
-// from 9 (2 threads); AVX2 panels + sgemm win from 32 (Q4_1) and 24 (Q8_0) on Zen 3; with AVX-512
-// and no AMX (Zen 4), the one pass (float or VNNI) beat panels + sgemm at every T measured, up to
-// 256, by 1.2-1.9x: no batched path.
+// from 9 (2 threads); on Zen 3's AVX2, since the one pass unpacks each record once per tile of 4
+// tokens, panels + sgemm win from 64-96 tokens on the Q4_1 shapes and not before 256 on the Q8_0
+// head (even at 128); with AVX-512 and no AMX (Zen 4), the one pass (float or VNNI) beat panels +
+// sgemm at every T measured, up to 256, by 1.2-1.9x: no batched path.
 int64_t auto_crossover(int isa, Kind kind) {
   if (isa >= kAmx) return 9;
   if (isa >= kAvx512) return std::numeric_limits<int64_t>::max();
-  return kind == Kind::kQ4_1 ? 32 : 24;
+  return kind == Kind::kQ4_1 ? 64 : 128;
 }
 
 inline __m256 load_f16x8(const uint8_t* p) {
@@ -69,65 +70,77 @@ inline void pair_quants8(const uint8_t* rec, int p, int h, __m256& even, __m256&
   }
 }
 
-// One group for TT (1 or 2) tokens: per token two partial sums per half of the rows.
-template <Kind kKind, int TT>
+// One group for a tile of TT tokens (1-4): each record is unpacked once per tile, pair by pair
+// (both halves of its 16 rows: an AVX2 register holds eight), and each unpacked pair serves
+// every token of the tile from registers. Per token and half there are C independent partial
+// sums: one token's 32 multiply-adds per half-block would otherwise be one dependent chain,
+// bound by the FMA's latency rather than the weights' read (C = 4 at one token, 2 at two; from
+// three tokens the tile's own sums are independent work enough, and sixteen registers hold no
+// more). The block's d (and its minimum times the token's block sum) scale the partial sums at
+// the end of each block, into accumulators kept in L1.
+template <Kind kKind, int TT, int C>
 void gemv_group_avx2(const PackedMatrix& w, int64_t g, const float* x, const float* sx,
                      int64_t t0, float* y, int64_t ldy) {
-  const int64_t K = w.K(), NB = w.NB;
-  __m256 acc[TT][2];
-  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const int64_t K = w.K(), NB = w.NB, R = record_bytes(kKind);
+  const uint8_t* end = w.base + w.G * w.NB * R;
+  alignas(32) float acc[TT][kGroup] = {};
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* rec = w.record(g, b);
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * record_bytes(kKind)), _MM_HINT_T0);
-    __m256 part[TT][2];
-    for (int t = 0; t < TT; ++t) part[t][0] = part[t][1] = _mm256_setzero_ps();
+    const uint8_t* ahead = rec + kPrefetchRecords * R;
+    if (ahead < end) {
+      for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    }
     const float* xb = x + t0 * K + b * kBlock;
-#pragma GCC unroll 4
+    __m256 part[TT][2][C];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) part[t][h][c] = _mm256_setzero_ps();
+#pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
-      for (int h = 0; h < 2; ++h) {
-        __m256 even, odd;
-        pair_quants8<kKind>(rec, p, h, even, odd);
-        for (int t = 0; t < TT; ++t) {
-          const float* xt = xb + t * K + 2 * p;
-          part[t][h] = _mm256_fmadd_ps(even, _mm256_set1_ps(xt[0]), part[t][h]);
-          part[t][h] = _mm256_fmadd_ps(odd, _mm256_set1_ps(xt[1]), part[t][h]);
+      __m256 even[2], odd[2];
+      pair_quants8<kKind>(rec, p, 0, even[0], odd[0]);
+      pair_quants8<kKind>(rec, p, 1, even[1], odd[1]);
+      const int e = C == 4 ? 2 * (p & 1) : 0;  // this pair's two partial sums, e and o
+      const int o = C == 1 ? e : e + 1;
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) {
+        const float* xt = xb + t * K + 2 * p;
+        const __m256 x0 = _mm256_set1_ps(xt[0]), x1 = _mm256_set1_ps(xt[1]);
+        for (int h = 0; h < 2; ++h) {
+          part[t][h][e] = _mm256_fmadd_ps(even[h], x0, part[t][h][e]);
+          part[t][h][o] = _mm256_fmadd_ps(odd[h], x1, part[t][h][o]);
         }
       }
     }
     const uint8_t* scales = rec + scales_offset(kKind);
     for (int h = 0; h < 2; ++h) {
       const __m256 d = load_f16x8(scales + 16 * h);
-      for (int t = 0; t < TT; ++t) acc[t][h] = _mm256_fmadd_ps(part[t][h], d, acc[t][h]);
-      if constexpr (kKind == Kind::kQ4_1) {
-        const __m256 m = load_f16x8(scales + 32 + 16 * h);
-        for (int t = 0; t < TT; ++t) {
-          acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(t0 + t) * NB + b]), acc[t][h]);
+      for (int t = 0; t < TT; ++t) {
+        __m256 s = part[t][h][0];
+        if constexpr (C >= 2) s = _mm256_add_ps(s, part[t][h][1]);
+        if constexpr (C == 4) s = _mm256_add_ps(s, _mm256_add_ps(part[t][h][2], part[t][h][3]));
+        __m256 a = _mm256_fmadd_ps(s, d, _mm256_load_ps(acc[t] + 8 * h));
+        if constexpr (kKind == Kind::kQ4_1) {
+          const __m256 m = load_f16x8(scales + 32 + 16 * h);
+          a = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(t0 + t) * NB + b]), a);
         }
+        _mm256_store_ps(acc[t] + 8 * h, a);
       }
     }
   }
   const int64_t rows = w.rows_in(g);
-  for (int t = 0; t < TT; ++t) {
-    float* dst = y + (t0 + t) * ldy + g * kGroup;
-    if (rows == kGroup) {
-      _mm256_storeu_ps(dst, acc[t][0]);
-      _mm256_storeu_ps(dst + 8, acc[t][1]);
-    } else {
-      alignas(32) float out[kGroup];
-      _mm256_store_ps(out, acc[t][0]);
-      _mm256_store_ps(out + 8, acc[t][1]);
-      std::copy(out, out + rows, dst);
-    }
-  }
+  for (int t = 0; t < TT; ++t) std::copy(acc[t], acc[t] + rows, y + (t0 + t) * ldy + g * kGroup);
 }
 
 template <Kind kKind>
 void gemv_avx2_kind(const PackedMatrix& w, const float* x, const float* sx, int64_t T, float* y,
                     int64_t ldy, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {  // a group's records stay in L1 for its later token pairs
-    int64_t t0 = 0;
-    for (; t0 + 2 <= T; t0 += 2) gemv_group_avx2<kKind, 2>(w, g, x, sx, t0, y, ldy);
-    if (t0 < T) gemv_group_avx2<kKind, 1>(w, g, x, sx, t0, y, ldy);
+  // Group-major: a group's records (a few KiB) stay in L1 for every tile of tokens after the first.
+  for (int64_t g = g0; g < g1; ++g) {
+    token_tiles<4>(T, [&](auto tile, int64_t t0) {
+      constexpr int TT = decltype(tile)::value;
+      gemv_group_avx2<kKind, TT, (TT == 1 ? 4 : TT == 2 ? 2 : 1)>(w, g, x, sx, t0, y, ldy);
+    });
   }
 }
 

@@ -68,8 +68,6 @@ inline __m512 load_f16(const uint8_t* p) {
 // lane bytes (b0, b1) -> (b0 & 15, b0 >> 4, b1 & 15, b1 >> 4) once masked with 0x0F.
 constexpr int64_t kNibbleShifts = 0x2C2824200C080400LL;
 
-constexpr int64_t kPrefetchRecords = 6;  // as gemv_avx512
-
 // Elements 4j..4j+3 of the record's 16 rows as unsigned bytes, four per lane (Q8_0: + 128).
 template <Kind kKind>
 inline __m512i quads(const uint8_t* rec, int j) {
@@ -148,7 +146,7 @@ void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const float* sx, int6
                int64_t ldy, int64_t g0, int64_t g1) {
   // Group-major with tiles of up to 8 tokens, as gemv_avx512.
   for (int64_t g = g0; g < g1; ++g) {
-    token_tiles(T, [&](auto tile, int64_t t0) {
+    token_tiles<8>(T, [&](auto tile, int64_t t0) {
       constexpr int TT = decltype(tile)::value;
       gemv_group<kKind, TT, (TT <= 2 ? 2 : 1)>(w, g, x, sx, t0, y, ldy);
     });

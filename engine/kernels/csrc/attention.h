@@ -4,10 +4,24 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jitney_kernels {
 
 constexpr int64_t kMaxHeadVectors = 32;  // head sizes up to 256 floats (paged_decode_ checks)
+
+// f(std::integral_constant<int, D / kLanes>{}) for the common head sizes (64, 128), whose loops
+// the compiler unrolls, else f(std::integral_constant<int, 0>{}): the head size read at run time.
+template <int kLanes, class F>
+inline void by_head_size(int64_t D, const F& f) {
+  if (D == 64) {
+    f(std::integral_constant<int, 64 / kLanes>{});
+  } else if (D == 128) {
+    f(std::integral_constant<int, 128 / kLanes>{});
+  } else {
+    f(std::integral_constant<int, 0>{});
+  }
+}
 
 // Walks positions in order through the block table without a division per position.
 struct Cursor {

@@ -136,19 +136,10 @@ void attend_one_avx2(const float* q, int64_t q_head_stride, const float* kc, con
                      const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
                      int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
                      int64_t out_head_stride, float* scores) {
-  switch (D) {
-    case 64:
-      attend<8>(q, q_head_stride, kc, vc, table, bs, block_stride, slot_stride, lo, hi, G, D, scale,
-                out, out_head_stride, scores);
-      break;
-    case 128:
-      attend<16>(q, q_head_stride, kc, vc, table, bs, block_stride, slot_stride, lo, hi, G, D, scale,
-                 out, out_head_stride, scores);
-      break;
-    default:
-      attend<0>(q, q_head_stride, kc, vc, table, bs, block_stride, slot_stride, lo, hi, G, D, scale,
-                out, out_head_stride, scores);
-  }
+  by_head_size<8>(D, [&](auto nv) {
+    attend<decltype(nv)::value>(q, q_head_stride, kc, vc, table, bs, block_stride, slot_stride, lo, hi,
+                                G, D, scale, out, out_head_stride, scores);
+  });
 }
 
 }  // namespace jitney_kernels

@@ -5,6 +5,8 @@
 #   BASELINE=<git worktree of 5444940> LLAMA_BIN=<dir with llama-batched-bench, llama-server> \
 #     bench/forward_tables.sh OUT_DIR
 # (`git worktree add /tmp/base 5444940`; ../shared/tools/build_llama_cpp.sh builds llama.cpp.)
+# QUICK=1 runs only the rows compared with the peer and the earlier engine (the default mode's):
+# without AMX the dense bf16 rows alone take tens of minutes.
 set -u
 OUT=${1:?usage: bench/forward_tables.sh OUT_DIR}
 BASELINE=${BASELINE:?a git worktree of the earlier engine (5444940)}
@@ -51,16 +53,20 @@ llama_one() {  # llama.cpp, one user: generation time / 256 tokens
 
 echo "== one user (134-token prompt, 256 tokens), three interleaved rounds"
 for round in 1 2 3; do row "one-gguf-$round" "$ONE"; llama_one; done
-row one-int8 "$ONE" --quantization int8
-row one-none "$ONE" --quantization none
-row one-bf16 "$ONE" --quantization none --dtype bfloat16
-row one-transformers "$ONE" --model-impl transformers
+if [ -z "${QUICK:-}" ]; then
+  row one-int8 "$ONE" --quantization int8
+  row one-none "$ONE" --quantization none
+  row one-bf16 "$ONE" --quantization none --dtype bfloat16
+  row one-transformers "$ONE" --model-impl transformers
+fi
 earlier one-earlier "$ONE"
 echo "== mixed-64.json (64 requests at t=0)"
 row mixed-gguf-1 "$MIXED"; earlier mixed-earlier "$MIXED"; row mixed-gguf-2 "$MIXED"
-row mixed-int8 "$MIXED" --quantization int8
-row mixed-none "$MIXED" --quantization none
-row mixed-bf16 "$MIXED" --quantization none --dtype bfloat16
+if [ -z "${QUICK:-}" ]; then
+  row mixed-int8 "$MIXED" --quantization int8
+  row mixed-none "$MIXED" --quantization none
+  row mixed-bf16 "$MIXED" --quantization none --dtype bfloat16
+fi
 echo "== llama.cpp's server, --parallel 64, through jitney bench serve"
 "$LLAMA_BIN/llama-server" -m "$GGUF" -c 51200 --parallel 64 -t 2 --port 8091 > "$OUT/llama-server.log" 2>&1 &
 server=$!

@@ -1,0 +1,114 @@
+"""How many tokens a verification step could keep on a trace: prompt lookup replayed over the
+model's own greedy outputs, with no cost model and no pause policy (the ceiling a proposer sets).
+
+`python -m bench.speculation_ceiling [--trace bench/traces/quoting.json] [--output-len 128]`
+
+Each request's greedy output is computed once (speculation off: the tokens any exact speculation
+must give). Then, position by position, the proposer's drafts are compared with the output, a
+step keeps the matching prefix and the token after it, and the next step starts there. With
+`--candidates C`, up to C distinct continuations (from every earlier match of the tail, longest
+n-grams and latest matches first) are verified together and the step keeps the longest match: a
+tree of C branches. `--stop-at-eos` cuts each output at its first EOS (what a user is shown).
+A step that keeps 2 tokens at the price of one would double tokens/s only if verifying were free;
+docs/performance.md compares this with what the steps cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Prompt lookup's settings: drafts per step, the n-gram sizes, the candidates verified."""
+
+    num_drafts: int = 7
+    lookup_min: int = 2
+    lookup_max: int = 4
+    candidates: int = 1
+
+    def continuations(self, tokens: Sequence[int]) -> list[list[int]]:
+        """Up to `candidates` distinct continuations of `tokens`' tail, longest n-gram first,
+        then latest match first (the n-gram proposer's own order for its first)."""
+        found: list[list[int]] = []
+        n_tokens = len(tokens)
+        for n in range(min(self.lookup_max, n_tokens - 1), self.lookup_min - 1, -1):
+            tail = list(tokens[n_tokens - n :])
+            for i in range(n_tokens - n - 1, -1, -1):
+                if list(tokens[i : i + n]) == tail:
+                    follow = list(tokens[i + n : i + n + self.num_drafts])
+                    if follow and follow not in found:
+                        found.append(follow)
+                        if len(found) == self.candidates:
+                            return found
+        return found
+
+
+def steps_to_decode(prompt: Sequence[int], output: Sequence[int], lookup: Lookup) -> int:
+    """Verification steps that produce `output` after `prompt` (one token a step at least)."""
+    tokens, at, steps = list(prompt), 0, 0
+    while at < len(output):
+        kept = 0
+        for drafts in lookup.continuations(tokens):
+            n = 0
+            while n < len(drafts) and at + n < len(output) and drafts[n] == output[at + n]:
+                n += 1
+            kept = max(kept, n)
+        tokens += output[at : at + kept + 1]
+        at += kept + 1
+        steps += 1
+    return steps
+
+
+def tokens_per_step(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup: Lookup) -> float:
+    total = sum(len(output) for _, output in pairs)
+    return total / max(1, sum(steps_to_decode(p, o, lookup) for p, o in pairs))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default="bench/traces/quoting.json")
+    p.add_argument("--output-len", type=int, default=None, help="default: the trace's")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--stop-at-eos", action="store_true")
+    p.add_argument("--drafts", default="3,5,7", help="comma-separated drafts per step")
+    p.add_argument("--candidates", default="1,2,4,8", help="comma-separated branch counts")
+    args = p.parse_args(argv)
+    from engine.config import EngineConfig
+    from engine.llm_engine import Engine
+    from generation.sampling_params import SamplingParams
+
+    requests = json.loads(Path(args.trace).read_text())["requests"]
+    engine = Engine(EngineConfig(model=args.model, speculative="none"))
+    prompts = [r["prompt_ids"] for r in requests]
+    params = [
+        SamplingParams(
+            max_tokens=args.output_len or r["output_len"], temperature=0, ignore_eos=True
+        )
+        for r in requests
+    ]
+    done = engine.generate(prompts, params)
+    eos = set(engine.eos_token_ids) if args.stop_at_eos else set()
+    pairs = []
+    for prompt, result in zip(prompts, done, strict=True):
+        output = result.token_ids
+        cut = next((i for i, t in enumerate(output) if t in eos), len(output))
+        pairs.append((prompt, output[:cut]))
+    print(f"{len(pairs)} requests, {sum(len(o) for _, o in pairs)} output tokens")
+    print("tokens a step keeps (n-grams 2-4 | 1-4)")
+    print(f"{'candidates':>10} " + " ".join(f"{f'k={k}':>13}" for k in args.drafts.split(",")))
+    for c in (int(c) for c in args.candidates.split(",")):
+        cells = []
+        for k in (int(k) for k in args.drafts.split(",")):
+            two = tokens_per_step(pairs, Lookup(k, 2, 4, c))
+            one = tokens_per_step(pairs, Lookup(k, 1, 4, c))
+            cells.append(f"{two:6.2f} |{one:5.2f}")
+        print(f"{c:>10} " + " ".join(f"{cell:>13}" for cell in cells))
+
+
+if __name__ == "__main__":
+    main()

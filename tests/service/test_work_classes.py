@@ -164,10 +164,13 @@ async def test_keys_weighted_1_1_2_get_token_shares_of_25_25_50(tmp_path: Path) 
             ]
             await asyncio.wait_for(asyncio.gather(*tasks), 180)
     # Equal requests: token shares are request shares. In the first 2 * per_key to finish, c
-    # (half of them) has not run out, and neither have a and b.
+    # (half of them) has not run out, and neither have a and b. Within one request of the exact
+    # share: two seats finish side by side, so the cut at 2 * per_key can fall between two
+    # requests of one step (it failed once with a, b, c at 8, 9, 15). Equal weights (10-11 each)
+    # or FIFO (a and b first) still fail it.
     counts = Counter(finished[: per_key * 2])
     for key, share in SHARES.items():
-        assert abs(counts[key] / (per_key * 2) - share) <= 0.1 * share, (counts, finished)
+        assert abs(counts[key] - share * per_key * 2) <= 1, (counts, finished)
 
 
 @pytest.mark.slow

@@ -72,12 +72,12 @@ inline void pair_quants8(const uint8_t* rec, int p, int h, __m256& even, __m256&
 
 // One group for a tile of TT tokens (1-4): each record is unpacked once per tile, pair by pair
 // (both halves of its 16 rows: an AVX2 register holds eight), and each unpacked pair serves
-// every token of the tile from registers. Per token and half there are C independent partial
-// sums: one token's 32 multiply-adds per half-block would otherwise be one dependent chain,
-// bound by the FMA's latency rather than the weights' read (C = 4 at one token, 2 at two; from
-// three tokens the tile's own sums are independent work enough, and sixteen registers hold no
-// more). The block's d (and its minimum times the token's block sum) scale the partial sums at
-// the end of each block, into accumulators kept in L1.
+// every token of the tile from registers. Per token and half there are C partial sums. C is 1
+// for every tile: a token's sums then run in the same order whatever else is in the step, so its
+// product is bit for bit the same alone or beside others (served text equals offline text; 4 at
+// one token was faster but made the rounding depend on the batch, and a fault test's served
+// text then left the offline one). The block's d (and its minimum times the token's block sum)
+// scale the partial sums at the end of each block, into accumulators kept in L1.
 template <Kind kKind, int TT, int C>
 void gemv_group_avx2(const PackedMatrix& w, int64_t g, const float* x, const float* sx,
                      int64_t t0, float* y, int64_t ldy) {
@@ -139,7 +139,7 @@ void gemv_avx2_kind(const PackedMatrix& w, const float* x, const float* sx, int6
   for (int64_t g = g0; g < g1; ++g) {
     token_tiles<4>(T, [&](auto tile, int64_t t0) {
       constexpr int TT = decltype(tile)::value;
-      gemv_group_avx2<kKind, TT, (TT == 1 ? 4 : TT == 2 ? 2 : 1)>(w, g, x, sx, t0, y, ldy);
+      gemv_group_avx2<kKind, TT, 1>(w, g, x, sx, t0, y, ldy);
     });
   }
 }

@@ -72,13 +72,13 @@ inline void pair_quants8(const uint8_t* rec, int p, int h, __m256& even, __m256&
 
 // One group for a tile of TT tokens (1-4): each record is unpacked once per tile, pair by pair
 // (both halves of its 16 rows: an AVX2 register holds eight), and each unpacked pair serves
-// every token of the tile from registers. Per token and half there are C partial sums. C is 1
-// for every tile: a token's sums then run in the same order whatever else is in the step, so its
+// every token of the tile from registers. Per token and half there is one partial sum in every
+// tile size: a token's sums then run in the same order whatever else is in the step, so its
 // product is bit for bit the same alone or beside others (served text equals offline text; 4 at
 // one token was faster but made the rounding depend on the batch, and a fault test's served
 // text then left the offline one). The block's d (and its minimum times the token's block sum)
 // scale the partial sums at the end of each block, into accumulators kept in L1.
-template <Kind kKind, int TT, int C>
+template <Kind kKind, int TT>
 void gemv_group_avx2(const PackedMatrix& w, int64_t g, const float* x, const float* sx,
                      int64_t t0, float* y, int64_t ldy) {
   const int64_t K = w.K(), NB = w.NB, R = record_bytes(kKind);
@@ -91,24 +91,20 @@ void gemv_group_avx2(const PackedMatrix& w, int64_t g, const float* x, const flo
       for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
     }
     const float* xb = x + t0 * K + b * kBlock;
-    __m256 part[TT][2][C];
-    for (int t = 0; t < TT; ++t)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < C; ++c) part[t][h][c] = _mm256_setzero_ps();
+    __m256 part[TT][2];
+    for (int t = 0; t < TT; ++t) part[t][0] = part[t][1] = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
       __m256 even[2], odd[2];
       pair_quants8<kKind>(rec, p, 0, even[0], odd[0]);
       pair_quants8<kKind>(rec, p, 1, even[1], odd[1]);
-      const int e = C == 4 ? 2 * (p & 1) : 0;  // this pair's two partial sums, e and o
-      const int o = C == 1 ? e : e + 1;
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
         const float* xt = xb + t * K + 2 * p;
         const __m256 x0 = _mm256_set1_ps(xt[0]), x1 = _mm256_set1_ps(xt[1]);
         for (int h = 0; h < 2; ++h) {
-          part[t][h][e] = _mm256_fmadd_ps(even[h], x0, part[t][h][e]);
-          part[t][h][o] = _mm256_fmadd_ps(odd[h], x1, part[t][h][o]);
+          part[t][h] = _mm256_fmadd_ps(even[h], x0, part[t][h]);
+          part[t][h] = _mm256_fmadd_ps(odd[h], x1, part[t][h]);
         }
       }
     }
@@ -116,10 +112,7 @@ void gemv_group_avx2(const PackedMatrix& w, int64_t g, const float* x, const flo
     for (int h = 0; h < 2; ++h) {
       const __m256 d = load_f16x8(scales + 16 * h);
       for (int t = 0; t < TT; ++t) {
-        __m256 s = part[t][h][0];
-        if constexpr (C >= 2) s = _mm256_add_ps(s, part[t][h][1]);
-        if constexpr (C == 4) s = _mm256_add_ps(s, _mm256_add_ps(part[t][h][2], part[t][h][3]));
-        __m256 a = _mm256_fmadd_ps(s, d, _mm256_load_ps(acc[t] + 8 * h));
+        __m256 a = _mm256_fmadd_ps(part[t][h], d, _mm256_load_ps(acc[t] + 8 * h));
         if constexpr (kKind == Kind::kQ4_1) {
           const __m256 m = load_f16x8(scales + 32 + 16 * h);
           a = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(t0 + t) * NB + b]), a);
@@ -139,7 +132,7 @@ void gemv_avx2_kind(const PackedMatrix& w, const float* x, const float* sx, int6
   for (int64_t g = g0; g < g1; ++g) {
     token_tiles<4>(T, [&](auto tile, int64_t t0) {
       constexpr int TT = decltype(tile)::value;
-      gemv_group_avx2<kKind, TT, 1>(w, g, x, sx, t0, y, ldy);
+      gemv_group_avx2<kKind, TT>(w, g, x, sx, t0, y, ldy);
     });
   }
 }

@@ -119,6 +119,31 @@ def test_native_decode_matches_gathered_attention_in_place(window, d, heads, kv_
 
 
 @native_only
+def test_native_decode_runs_a_verifications_rows_by_kv_head_with_the_same_results(isa):
+    """A verification's rows (one sequence, one position apart, over the same blocks) are
+    attended KV head by KV head: each row's result is bit for bit what it is when the rows are
+    scattered among others (row by row), and equals gathered attention."""
+    key_cache, value_cache, g = _pool(4, num_blocks=40)
+    table, other = torch.randperm(40, generator=g)[:24], torch.randperm(40, generator=g)[:24]
+    # Another sequence; a run of five (positions 200-204); the same blocks, not one position on
+    # (a new run); the other sequence again.
+    ctx = torch.tensor([50, 200, 201, 202, 203, 204, 150, 90])
+    tables = torch.stack([other, table, table, table, table, table, table, other])
+    q = torch.randn(len(ctx), 9, 64, generator=g)
+    out, want = torch.empty_like(q), torch.empty_like(q)
+    native_decode_attention(q, key_cache, value_cache, tables, ctx, 0.125, None, out)
+    reference.paged_decode_(q, key_cache, value_cache, tables, ctx, 0.125, 0, want)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    scattered = torch.tensor([1, 0, 3, 7, 5, 2, 6, 4])  # no two rows of the run side by side
+    out_scattered = torch.empty_like(q)
+    native_decode_attention(
+        q[scattered], key_cache, value_cache, tables[scattered], ctx[scattered], 0.125, None,
+        out_scattered,
+    )
+    assert torch.equal(out_scattered, out[scattered])
+
+
+@native_only
 def test_native_decode_refuses_a_context_its_table_does_not_hold():
     key_cache, value_cache, _ = _pool(3, num_blocks=4)
     q = torch.zeros(1, 9, 64)

@@ -137,7 +137,13 @@ def test_native_decode_runs_a_verifications_rows_by_kv_head_with_the_same_result
     scattered = torch.tensor([1, 0, 3, 7, 5, 2, 6, 4])  # no two rows of the run side by side
     out_scattered = torch.empty_like(q)
     native_decode_attention(
-        q[scattered], key_cache, value_cache, tables[scattered], ctx[scattered], 0.125, None,
+        q[scattered],
+        key_cache,
+        value_cache,
+        tables[scattered],
+        ctx[scattered],
+        0.125,
+        None,
         out_scattered,
     )
     assert torch.equal(out_scattered, out[scattered])

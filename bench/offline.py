@@ -92,12 +92,21 @@ def run_jitney(
     steps = peak_blocks = 0
     phases, step_s = StepTiming(), 0.0
     made: list[tuple[float, int]] = []  # (seconds from start, tokens so far) after each step
+    by_drafts: dict[int, DraftSteps] = {}
+    stats = engine.stats
     while engine.has_unfinished():
+        drafted, kept = stats.num_draft_tokens_total, stats.num_accepted_tokens_total
         step_start = time.perf_counter()
         step_outputs = engine.step()
         # Less the pool check of the step that left the engine idle (once, not per step).
-        step_s += time.perf_counter() - step_start - engine.last_idle_check_s
+        seconds = time.perf_counter() - step_start - engine.last_idle_check_s
+        step_s += seconds
         phases.add(engine.last_step_timing)
+        drafts = stats.num_draft_tokens_total - drafted
+        if stats.num_batched_tokens == stats.batch_size + drafts:  # decodes only, no prefill
+            entry = by_drafts.setdefault(drafts, DraftSteps())
+            kept = stats.num_accepted_tokens_total - kept
+            entry.add(seconds, engine.last_step_timing.forward, kept)
         for out in step_outputs:
             outputs[out.request_id] += out.new_token_ids
             clock.saw(out.request_id, out.finished, bool(out.new_token_ids))
@@ -107,7 +116,6 @@ def run_jitney(
         made.append((time.perf_counter() - clock.start, sum(len(v) for v in outputs.values())))
     wall = time.perf_counter() - clock.start
     useful = sum(len(v) for v in outputs.values())
-    stats = engine.stats
     suffix = "" if structured is None else f"+{structured.label}"
     return RunResult(
         name=f"jitney-{config.batching}{suffix}",
@@ -135,8 +143,40 @@ def run_jitney(
                 if stats.num_draft_tokens_total
                 else None
             ),
+            # Decode steps by the drafts they verified (none: no step verified any).
+            "steps_by_drafts": (
+                {d: e.summary() for d, e in sorted(by_drafts.items())}
+                if any(by_drafts.keys() - {0})
+                else None
+            ),
         },
     )
+
+
+@dataclass(slots=True)
+class DraftSteps:
+    """The decode steps (no prefill chunk) that verified one number of drafts, all sequences'
+    together: what a draft row costs on this machine, beside the plain decode steps (0 drafts)
+    of the same run."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    forward_s: float = 0.0
+    kept: int = 0
+
+    def add(self, seconds: float, forward_s: float, kept: int) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.forward_s += forward_s
+        self.kept += kept
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "steps": self.steps,
+            "step_ms": 1e3 * self.seconds / self.steps,
+            "forward_ms": 1e3 * self.forward_s / self.steps,
+            "kept_per_step": self.kept / self.steps,
+        }
 
 
 def _tail_s(made: list[tuple[float, int]], wall: float) -> float:
@@ -246,6 +286,27 @@ def format_phase_table(ours: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def format_draft_table(ours: list[RunResult]) -> str:
+    """Per run that speculated: its decode steps by the drafts they verified, with mean ms per
+    step and per forward, and the drafts kept. The steps with 0 drafts are the plain ones a draft
+    row's cost is read against (empty: no run speculated)."""
+    lines = []
+    for r in ours:
+        rows = r.extra.get("steps_by_drafts")
+        if not rows:
+            continue
+        lines += [
+            f"{r.name}: decode steps by drafts verified",
+            f"{'drafts':>8} {'steps':>7} {'ms/step':>8} {'forward':>8} {'kept':>6}",
+        ]
+        for drafts, e in rows.items():
+            lines.append(
+                f"{drafts:>8} {e['steps']:>7} {e['step_ms']:>8.2f} {e['forward_ms']:>8.2f} "
+                f"{e['kept_per_step']:>6.2f}"
+            )
+    return "\n".join(lines)
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -300,6 +361,7 @@ def run_offline_bench(
     return {
         "table": table,
         "phase_table": format_phase_table(ours),
+        "draft_table": format_draft_table(ours),
         "results": [{**r.summary(), "extra": r.extra} for r in [*ours, *base_results]],
     }
 

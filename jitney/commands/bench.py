@@ -426,6 +426,9 @@ def run(args: argparse.Namespace) -> int:
     print(report["table"])
     print()
     print(report["phase_table"])
+    if report["draft_table"]:
+        print()
+        print(report["draft_table"])
     write_json(report, args.output)
     say(f"wrote {args.output}")
     return 0

@@ -143,3 +143,13 @@ def test_speculation_shows_its_acceptance_and_the_tail_beside_plain_decoding(tmp
         assert 0 < spec["extra"]["spec_acceptance"] <= 1
         assert spec["extra"]["spec_accepted_tokens"] > 0
         assert 0 < spec["extra"]["tail_s"] < spec["wall_s"]
+        # The decode steps by drafts verified: a draft row's cost beside the plain steps.
+        by_drafts = {int(d): e for d, e in spec["extra"]["steps_by_drafts"].items()}
+        assert any(d > 0 for d in by_drafts)
+        assert sum(e["steps"] for e in by_drafts.values()) <= spec["extra"]["steps"]
+        for drafts, e in by_drafts.items():
+            assert 0 < e["forward_ms"] <= e["step_ms"]
+            assert 0 <= e["kept_per_step"] <= drafts
+        assert reports[name]["draft_table"].startswith("jitney-continuous: decode steps by")
+    assert plain["extra"]["steps_by_drafts"] is None and reports["none"]["draft_table"] == ""
+    assert "decode steps by drafts verified" in printed

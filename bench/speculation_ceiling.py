@@ -10,7 +10,8 @@ step keeps the matching prefix and the token after it, and the next step starts 
 n-grams and latest matches first) are verified together and the step keeps the longest match: a
 tree of C branches. `--stop-at-eos` cuts each output at its first EOS (what a user is shown).
 A step that keeps 2 tokens at the price of one would double tokens/s only if verifying were free;
-docs/performance.md compares this with what the steps cost.
+`--draft-cost C` also gives the best speed-up a proposer could reach with these continuations when
+each draft row costs C of a plain step (drafting exactly what each step keeps).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class Lookup:
         return found
 
 
-def steps_to_decode(prompt: Sequence[int], output: Sequence[int], lookup: Lookup) -> int:
-    """Verification steps that produce `output` after `prompt` (one token a step at least)."""
-    tokens, at, steps = list(prompt), 0, 0
+def kept_per_step(prompt: Sequence[int], output: Sequence[int], lookup: Lookup) -> list[int]:
+    """The drafts each verification step keeps while producing `output` after `prompt` (each
+    step also gives the token after them)."""
+    tokens, at, kept_steps = list(prompt), 0, []
     while at < len(output):
         kept = 0
         for drafts in lookup.continuations(tokens):
@@ -60,13 +62,32 @@ def steps_to_decode(prompt: Sequence[int], output: Sequence[int], lookup: Lookup
             kept = max(kept, n)
         tokens += output[at : at + kept + 1]
         at += kept + 1
-        steps += 1
-    return steps
+        kept_steps.append(kept)
+    return kept_steps
+
+
+def steps_to_decode(prompt: Sequence[int], output: Sequence[int], lookup: Lookup) -> int:
+    """Verification steps that produce `output` after `prompt` (one token a step at least)."""
+    return len(kept_per_step(prompt, output, lookup))
 
 
 def tokens_per_step(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup: Lookup) -> float:
     total = sum(len(output) for _, output in pairs)
     return total / max(1, sum(steps_to_decode(p, o, lookup) for p, o in pairs))
+
+
+def speedup_bound(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lookup: Lookup, draft_cost: float
+) -> float:
+    """Tokens/s against plain decoding if each draft row costs `draft_cost` of a plain step and
+    the proposer drafted exactly the tokens each step keeps (no policy does better with these
+    continuations; a real one pays for drafts that fail too)."""
+    tokens = cost = 0.0
+    for prompt, output in pairs:
+        for kept in kept_per_step(prompt, output, lookup):
+            tokens += kept + 1
+            cost += 1 + draft_cost * kept
+    return tokens / cost if cost else 1.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,6 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-at-eos", action="store_true")
     p.add_argument("--drafts", default="3,5,7", help="comma-separated drafts per step")
     p.add_argument("--candidates", default="1,2,4,8", help="comma-separated branch counts")
+    p.add_argument(
+        "--draft-cost",
+        type=float,
+        default=None,
+        help="also the speed-up bound when a draft row costs this share of a plain step "
+        "(`jitney bench offline --speculative ngram` measures it: steps by drafts verified)",
+    )
     args = p.parse_args(argv)
     from engine.config import EngineConfig
     from engine.llm_engine import Engine
@@ -108,6 +136,14 @@ def main(argv: list[str] | None = None) -> None:
             one = tokens_per_step(pairs, Lookup(k, 1, 4, c))
             cells.append(f"{two:6.2f} |{one:5.2f}")
         print(f"{c:>10} " + " ".join(f"{cell:>13}" for cell in cells))
+    if args.draft_cost is not None:
+        print(f"speed-up bound at {args.draft_cost} of a step per draft row, one candidate")
+        cells = []
+        for k in (int(k) for k in args.drafts.split(",")):
+            two = speedup_bound(pairs, Lookup(k, 2, 4, 1), args.draft_cost)
+            one = speedup_bound(pairs, Lookup(k, 1, 4, 1), args.draft_cost)
+            cells.append(f"{two:6.2f} |{one:5.2f}")
+        print(f"{'':>10} " + " ".join(f"{cell:>13}" for cell in cells))
 
 
 if __name__ == "__main__":

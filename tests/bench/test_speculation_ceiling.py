@@ -1,6 +1,6 @@
 """The speculation ceiling's replay: steps counted as a verification keeps them."""
 
-from bench.speculation_ceiling import Lookup, steps_to_decode, tokens_per_step
+from bench.speculation_ceiling import Lookup, speedup_bound, steps_to_decode, tokens_per_step
 
 
 def test_an_output_that_quotes_its_prompt_takes_one_step_per_drafts_and_token():
@@ -27,3 +27,13 @@ def test_more_candidates_keep_the_longest_match():
     two = Lookup(num_drafts=3, candidates=2)
     assert two.continuations(prompt)[1] == [2, 3, 4]
     assert steps_to_decode(prompt, output, two) == 1  # 2, 3, 4 kept and 5 after them
+
+
+def test_the_speed_up_bound_pays_for_the_kept_drafts_only():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]
+    output = [3, 4, 5, 6, 7, 8, 9, 10]  # one step: 7 drafts kept and the token after them
+    lookup = Lookup(num_drafts=7)
+    assert speedup_bound([(prompt, output)], lookup, 0.0) == 8.0
+    assert speedup_bound([(prompt, output)], lookup, 0.5) == 8 / (1 + 0.5 * 7)
+    # Nothing repeats: plain decoding's speed, whatever drafts would cost.
+    assert speedup_bound([([1, 2, 3], [4, 5, 6, 7])], lookup, 0.3) == 1.0

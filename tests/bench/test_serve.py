@@ -14,7 +14,7 @@ from bench.conversation_trace import TraceShape, generate
 from bench.serve import CANCELLED, NOT_SENT, poisson_arrivals, run_serve
 from bench.trace import load_trace, percentile
 from jitney.cli import main
-from tests.services import running_stack
+from tests.services import running_system
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 OUTPUT_LENS = [3, 12, 5, 9, 4, 7, 11, 6]
@@ -22,8 +22,10 @@ OUTPUT_LENS = [3, 12, 5, 9, 4, 7, 11, 6]
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
-    with running_stack("bench-serve-w1") as (url, _):
-        yield url
+    # Speculation off: tiny-random's replies repeat themselves, so prompt lookup would decode the
+    # long request of test_max_duration_cancels_the_rest in under its 1 s (it did, in CI).
+    with running_system(("bench-serve-w1",), worker_flags=("--speculative", "none")) as system:
+        yield system.base
 
 
 def write_trace(path: Path, output_lens: list[int], arrivals: list[float] | None = None) -> Path:

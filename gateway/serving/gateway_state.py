@@ -65,6 +65,7 @@ class Gateway:
         self.reply_stream = self.keys.replies(config.gateway_id)
         self.router = ReplyRouter(self.redis, self.reply_stream, config.reply_block_ms)
         self.router.on_duplicate = self.metrics.duplicate_replies.inc
+        self.router.on_gap = lambda request_id: self.cancel_later(request_id, "replies_lost")
         self._backlogs = ModelBacklogs(
             self.redis,
             self.keys,

@@ -13,7 +13,11 @@ Invariants:
   stream (Redis came back empty) ends with a final "abort": its client gets a clear 503 at once
   instead of waiting for a reply that cannot come. Started ones go on: their worker still has
   them and writes to the (recreated) reply stream. Workers delete an entry together with its
-  final reply, so the reply stream is drained before an entry is called lost.
+  final reply, so the reply stream is drained before an entry is called lost;
+- a reply past the next seq means the ones between are gone (Redis restarted without
+  persistence after the worker published them and before this reader read them): the stream
+  cannot go on exactly, so the request ends there with an explicit "abort" (its client gets the
+  error, never a text with tokens missing) and its work is cancelled (`on_gap`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 READ_COUNT = 512
+GAP = "Part of the reply was lost while the queue (Redis) restarted; retry."
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +52,7 @@ class InFlight:
     priority: int = 0
     entry_id: str | None = None  # its request stream entry, once XADD returned
     request_stream: str = ""  # the stream that entry is in (its model's)
+    lost_replies: bool = False  # ended at a gap in its replies: later ones are not delivered
 
 
 def next_stream_id(entry_id: str) -> str:
@@ -72,6 +78,8 @@ class ReplyRouter:
         self.waiting_by_priority: Counter[int] = Counter()
         self.num_duplicates = 0
         self.on_duplicate: Callable[[], None] = lambda: None  # metrics hook
+        # Called with a request's id when a gap in its replies ended it: stop its work.
+        self.on_gap: Callable[[str], None] = lambda request_id: None
         self.num_orphans = 0  # replies for requests nobody waits for (client gone)
         self.healthy = False  # the last read succeeded
         self._outage = False  # a read failed since the last check for lost requests
@@ -193,6 +201,9 @@ class ReplyRouter:
         if entry is None:
             self.num_orphans += 1
             return
+        if entry.lost_replies:
+            self.num_orphans += 1
+            return
         if reply.seq < entry.next_seq:
             self.num_duplicates += 1
             self.on_duplicate()
@@ -204,6 +215,11 @@ class ReplyRouter:
                 entry.next_seq,
                 reply.seq,
             )
+            entry.lost_replies = True
+            lost = ReplyMessage(reply.request_id, entry.next_seq, finish_reason="abort", error=GAP)
+            self._deliver(entry, lost)
+            self.on_gap(reply.request_id)
+            return
         if entry_id is not None and reply.request_id not in self._retained:
             self._retained[reply.request_id] = entry_id
         self._deliver(entry, reply)

@@ -302,6 +302,39 @@ async def test_worker_errors_map_to_http_errors(client: Client, fake_worker: Fak
     assert events[1]["error"]["type"] == "server_error" and events[2] == "[DONE]"
 
 
+async def test_a_gap_in_the_replies_ends_the_request_with_an_error_and_cancels_it(
+    client: Client, fake_worker: FakeWorker, served: redis.Redis
+) -> None:
+    """Replies lost between a worker's publish and this gateway's read (Redis restarted without
+    persistence) leave a gap in the seqs: the client gets a 503 (or an SSE error after the text
+    it had), never a text with tokens missing, and the request's work is cancelled."""
+    for stream in (False, True):
+        body = {"prompt": "x", "stream": stream, "max_tokens": 40}
+        call = asyncio.create_task(client.post("/v1/completions", json=body))
+        request = await fake_worker.take()
+        rid = request.request_id
+        await fake_worker.reply(
+            request,
+            ReplyMessage(rid, 0, tokens("par")),
+            ReplyMessage(rid, 2, tokens("ly")),  # seq 1 is gone
+            ReplyMessage(rid, 3, [], "", "stop", prompt_tokens=1, completion_tokens=3),
+        )
+        response = await call
+        if stream:
+            events = sse_events(await response.text())
+            assert events[0]["choices"][0]["text"] == "par"
+            assert events[1]["error"]["code"] == "aborted" and events[2] == "[DONE]"
+            assert "lost" in events[1]["error"]["message"] and len(events) == 3
+        else:
+            assert response.status == 503
+            body = await response.json()
+            assert_openai_error(body)
+            assert body["error"]["code"] == "aborted" and "lost" in body["error"]["message"]
+        entries = await eventually(lambda: served.xrange(KEYS.cancels))
+        cancel = CancelMessage.decode(entries[-1][1])
+        assert cancel.request_id == rid and cancel.reason == "replies_lost"
+
+
 async def test_client_disconnect_publishes_cancel(
     client: Client, fake_worker: FakeWorker, served: redis.Redis
 ) -> None:

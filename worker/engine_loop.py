@@ -37,6 +37,7 @@ from worker.live_snapshot import SnapshotPublisher
 from worker.log_fields import kv
 from worker.metrics import WorkerMetrics
 from worker.prefix_summary import PrefixSummary
+from worker.recent_replies import RecentReplies
 from worker.redis_backoff import RedisBackoff
 from worker.redis_io import Entry, EntryRef, WorkerRedis
 from worker.request_book import RequestBook
@@ -94,7 +95,12 @@ class WorkerService:
             engine, io, self.book, metrics, card, self.takeover, self.admission, self.failpoints
         )
         self.lease = Lease(io, card, config.stall_timeout_s)
-        self.backoff = RedisBackoff(on_recovered=self.takeover.after_outage)
+        self.backoff = RedisBackoff(
+            on_recovered=self.takeover.after_outage, on_outage=self._resend_recent
+        )
+        # Replies a gateway may not have read when Redis went away (worker/recent_replies.py).
+        self.recent = RecentReplies()
+        self.resend = False
         self.snapshots = SnapshotPublisher(io.client, io.keys, config.worker_id, card.name)
         # Prefix-aware placement: what this worker's cache holds, for gateways (None: off).
         self.summary = PrefixSummary(io.summary_key) if io.placement else None
@@ -185,15 +191,24 @@ class WorkerService:
             view.kv_total_blocks,
         )
 
+    def _resend_recent(self) -> None:
+        self.resend = True
+
     def _publish(self) -> None:
-        if self.book.outbox:
+        outbox = self.book.outbox
+        if self.resend:  # an outage began: what a restart may have lost goes first, once
+            outbox.replies[:0] = self.recent.take()
+            self.resend = False
+        if outbox:
             start = time.perf_counter()
-            status = self.io.publish(self.book.outbox)
+            status = self.io.publish(outbox)
             self.metrics.observe_publish(time.perf_counter() - start)
             self.book.clear_outbox()
             if not status:
                 self._on_fenced()
-            elif status == SUMMARY_LOST:
+                return
+            self.recent.published(outbox.replies, outbox.gone_streams, time.monotonic())
+            if status == SUMMARY_LOST:
                 self.io.placement_lost = True
 
     def _summarize(self) -> None:

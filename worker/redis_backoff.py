@@ -20,6 +20,7 @@ BACKOFF_MAX_S = 2.0
 @dataclass(slots=True)
 class RedisBackoff:
     on_recovered: Callable[[], None]  # called once Redis answers again after an outage
+    on_outage: Callable[[], None] = lambda: None  # called when an outage begins
     down_since: float | None = None  # monotonic
     delay_s: float = BACKOFF_START_S
 
@@ -31,6 +32,7 @@ class RedisBackoff:
             if self.down_since is None:
                 self.down_since = time.monotonic()
                 logger.warning("redis_unavailable %s", kv(error=type(e).__name__, detail=e))
+                self.on_outage()
             time.sleep(self.delay_s)
             self.delay_s = min(2 * self.delay_s, BACKOFF_MAX_S)
             return

@@ -503,3 +503,31 @@ def test_worker_with_a_stall_timeout_under_its_idle_block_refuses_to_start(redis
     assert proc.proc.wait(60) == 2
     assert "cannot_start" in proc.output() and "stall_timeout" in proc.output()
     assert "Traceback" not in proc.output()
+
+
+def test_replies_a_gateway_had_not_read_are_sent_again_when_redis_comes_back_empty():
+    """Redis restarts without persistence while a request streams and the gateway has not read
+    the last replies (here: it stops reading for a moment): the worker publishes the replies of
+    the moments before the outage again, so the gateway's stream has every seq and no gap
+    (copies of what it had read are dropped by seq, as the gateway does)."""
+    server = RedisServer().start()
+    slow = {"JITNEY_FAILPOINTS": "step_delay_ms=15"}  # about 60 tokens a second
+    worker = start_worker(server, "resend", env=slow)
+    try:
+        r = server.client()
+        wait_ready(r, worker)
+        replies = Replies(r)
+        send(r, "restart", random_prompt(random.Random(9), 12), 400)
+        replies.wait_for_tokens("restart", 20)
+        time.sleep(0.5)  # published while nobody reads: unread when Redis restarts
+        server.stop()
+        time.sleep(0.5)
+        server.start()
+        replies.last_id = "0-0"  # the stream comes back empty
+        final = replies.wait("restart")["restart"]
+        by_seq = {m.seq: m for m in replies.by_request["restart"]}
+        assert sorted(by_seq) == list(range(final.seq + 1))
+        assert sum(len(m.token_ids) for m in by_seq.values()) == 400
+    finally:
+        worker.proc.stop()
+        server.close()

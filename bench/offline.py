@@ -95,7 +95,7 @@ def run_jitney(
     by_drafts: dict[int, DraftSteps] = {}
     stats = engine.stats
     while engine.has_unfinished():
-        drafted, kept = stats.num_draft_tokens_total, stats.num_accepted_tokens_total
+        drafted, accepted = stats.num_draft_tokens_total, stats.num_accepted_tokens_total
         step_start = time.perf_counter()
         step_outputs = engine.step()
         # Less the pool check of the step that left the engine idle (once, not per step).
@@ -105,7 +105,7 @@ def run_jitney(
         drafts = stats.num_draft_tokens_total - drafted
         if stats.num_batched_tokens == stats.batch_size + drafts:  # decodes only, no prefill
             entry = by_drafts.setdefault(drafts, DraftSteps())
-            kept = stats.num_accepted_tokens_total - kept
+            kept = stats.num_accepted_tokens_total - accepted
             entry.add(seconds, engine.last_step_timing.forward, kept)
         for out in step_outputs:
             outputs[out.request_id] += out.new_token_ids

@@ -198,10 +198,7 @@ class ReplyRouter:
 
     def _route(self, reply: ReplyMessage, entry_id: str | None) -> None:
         entry = self._in_flight.get(reply.request_id)
-        if entry is None:
-            self.num_orphans += 1
-            return
-        if entry.lost_replies:
+        if entry is None or entry.lost_replies:  # nobody waits, or it ended at a gap
             self.num_orphans += 1
             return
         if reply.seq < entry.next_seq:

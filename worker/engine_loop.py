@@ -197,7 +197,7 @@ class WorkerService:
     def _publish(self) -> None:
         outbox = self.book.outbox
         if self.resend:  # an outage began: what a restart may have lost goes first, once
-            outbox.replies[:0] = self.recent.take()
+            outbox.replies[:0] = self.recent.take(time.monotonic())
             self.resend = False
         if outbox:
             start = time.perf_counter()

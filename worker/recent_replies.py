@@ -32,12 +32,17 @@ class RecentReplies:
         kept = [(stream, reply) for stream, reply in replies if stream not in gone]
         if kept:
             self._batches.append((now, kept))
-        while self._batches and self._batches[0][0] < now - self.window_s:
-            self._batches.popleft()
+        self._forget_before(now - self.window_s)
 
-    def take(self) -> list[tuple[str, ReplyMessage]]:
-        """Everything kept, oldest first, and forget it (the publish that sends it keeps it
-        again)."""
+    def take(self, now: float) -> list[tuple[str, ReplyMessage]]:
+        """What was published in the window before `now`, oldest first, and forget it (the
+        publish that sends it keeps it again). Older replies stay forgotten: after a quiet
+        spell, an outage resends nothing a gateway has not long read."""
+        self._forget_before(now - self.window_s)
         out = [pair for _, batch in self._batches for pair in batch]
         self._batches.clear()
         return out
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self._batches and self._batches[0][0] < cutoff:
+            self._batches.popleft()

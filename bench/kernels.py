@@ -10,9 +10,9 @@ the bundled GGUF file. Rows (each measured in the same run, interleaved, best of
   int4pack bf16   torch's _weight_int4pack_mm_for_cpu, group 32, bf16 activations/scales
   int8pack bf16   torch's _weight_int8pack_mm, per-row scales, bf16 activations
   jitney <isa>    engine/kernels: the file's Q4_1 blocks (+ its Q8_0 head), float32 activations,
-                  one row per instruction set this CPU has (avx2, avx512, amx), each with its
-                  automatic choice of path (one pass for a few tokens; batched: AMX's bf16 tiles,
-                  or dequantized panels + sgemm)
+                  one row per level this CPU has (avx2, avx2-int16, avx512, vnni, amx), each
+                  with its automatic choice of path (one pass for a few tokens; batched: AMX's
+                  bf16 tiles, or dequantized panels + sgemm)
 (The int4pack kernel also takes float32 activations, but its float32 path is not vectorized:
 about 3-5x slower than fp32 dense here, so it is left out.) Each row says how many weight bytes
 one step reads. `--crossover` times Jitney's two paths (one pass, batched) per shape and T with

@@ -12,8 +12,8 @@ implementation (engine/kernels/reference.py); `kernel_backend()` says which and 
 
 One library serves every x86-64 CPU: the AVX-512 and AMX kernels are compiled beside the AVX2
 ones (under a target pragma) and the library picks the highest instruction set the CPU has when
-it loads (csrc/cpu_isa.cpp). `JITNEY_KERNEL_ISA=avx2|avx512|vnni|amx` caps it; `set_isa()` changes
-the cap in a running process (the tests run every path a machine has).
+it loads (csrc/cpu_isa.cpp). `JITNEY_KERNEL_ISA=avx2|avx2-int16|avx512|vnni|amx` caps it;
+`set_isa()` changes the cap in a running process (the tests run every path a machine has).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ _SOURCE_NAMES = (
     "quant_linear",
     "quant_avx512",
     "quant_vnni",
+    "quant_avx2_int",
     "layer_ops",
     "attention_avx2",
     "attention_avx512",
@@ -46,7 +47,7 @@ _SOURCE_NAMES = (
     "sampling",
 )
 SOURCES = tuple(CSRC / f"{name}.cpp" for name in _SOURCE_NAMES)
-ISAS = ("avx2", "avx512", "vnni", "amx")  # csrc/blocks.h's Isa, in order
+ISAS = ("avx2", "avx2-int16", "avx512", "vnni", "amx")  # csrc/blocks.h's Isa, in order
 # Included by the sources: part of the hash too.
 HEADERS = tuple(CSRC / h for h in ("blocks.h", "ops.h", "vec_avx2.h", "attention.h"))
 # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, it runs on one thread. The

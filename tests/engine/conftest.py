@@ -18,18 +18,23 @@ def ref() -> LoadedModel:
 
 @pytest.fixture
 def exact_linears():
-    """The quantized linears on their exact float32 paths only: AMX's bf16 tiles and the VNNI
-    one pass's int8 activations capped off for the test (a machine without them never takes
-    them), so two ways of computing the same layer can be compared to float32 rounding."""
+    """The quantized linears on their exact float32 paths only: AMX's bf16 tiles and the
+    integer one passes' rounded activations (VNNI's, AVX2's) capped off for the test, so two
+    ways of computing the same layer can be compared to float32 rounding."""
     from engine.kernels import kernel_backend
 
     backend = kernel_backend()
     before = backend.isa
-    if before in ("vnni", "amx"):
-        backend.set_isa("avx512")
+    exact = EXACT_BELOW.get(before)
+    if exact is not None:
+        backend.set_isa(exact)
     yield
-    if before in ("vnni", "amx"):
+    if exact is not None:
         backend.set_isa(before)
+
+
+# The highest instruction set under each one that rounds activations whose one pass is exact.
+EXACT_BELOW = {"avx2-int16": "avx2", "vnni": "avx512", "amx": "avx512"}
 
 
 def _available_isas() -> tuple[str, ...]:

@@ -85,8 +85,9 @@ def tolerance(isa: str | None, path: str) -> float:
 
 
 def int8_activations(isa: str | None, path: str) -> bool:
-    """The path rounds activations to int8 per block (VNNI's and AMX's one pass)."""
-    return isa in ("vnni", "amx") and path == "one-pass"
+    """The path rounds activations to int8 digits per block (the integer one passes: AVX2's,
+    VNNI's and AMX's)."""
+    return isa in ("avx2-int16", "vnni", "amx") and path == "one-pass"
 
 
 def assert_kernel_result(
@@ -171,18 +172,41 @@ def test_int8_activations_give_a_token_the_same_product_in_any_batch(level) -> N
             w = dataclasses.replace(w, batched_min_tokens=PATHS["one-pass"])
             x = torch.randn(13, 576)
             alone = torch.cat([w.linear(x[i : i + 1]) for i in range(13)])
-            for n in (13, 8, 5, 2):  # tiles of 8 and 5, and of 2 (two sums a block)
+            for n in (13, 8, 5, 2):  # tiles of 8 and 5, and of 2 (two sums a block); AVX2: 6
                 assert torch.equal(w.linear(x[:n]), alone[:n]), (kind, n)
     finally:
         backend.set_isa(before)
 
 
+@pytest.mark.skipif("vnni" not in ISAS, reason="needs a CPU with AVX-512 VNNI")
+def test_avx2_integer_one_pass_gives_the_vnni_kernels_results_bit_for_bit() -> None:
+    """AVX2's integer one pass joins VNNI's two digits into one int16 and keeps its epilogue, so
+    a model computes the same on either CPU (and AVX2 CPUs take the arithmetic VNNI's perplexity
+    was measured with)."""
+    backend = kernel_backend()
+    before = backend.isa
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(2)) * 3
+    try:
+        for kind in ("Q4_1", "Q8_0"):
+            w = pack(random_blocks(kind, 77, 1536), GGMLQuantizationType[kind])
+            w = dataclasses.replace(w, batched_min_tokens=PATHS["one-pass"])
+            products = {}
+            for level in ("avx2-int16", "vnni"):
+                assert backend.set_isa(level) == level
+                products[level] = [w.linear(x[:n]) for n in (1, 2, 6, 13)]
+            for a, b in zip(products["avx2-int16"], products["vnni"], strict=True):
+                assert torch.equal(a, b), kind
+    finally:
+        backend.set_isa(before)
+
+
 def test_automatic_crossover_takes_each_path_by_its_token_count(isa) -> None:
-    """batched_min_tokens 0 (the default) runs one pass for a few tokens and, with AVX2 or AMX,
-    the batched path for many (AVX-512 without AMX runs one pass at any count: measured faster)."""
+    """batched_min_tokens 0 (the default) runs one pass for a few tokens and, with AVX2's float
+    one pass or AMX, the batched path for many (the integer AVX2 and the AVX-512 one passes
+    without AMX run at any count: measured faster)."""
     w = pack(random_blocks("Q4_1", 64, 576), GGMLQuantizationType.Q4_1)
     assert w.batched_min_tokens == 0
-    many = "one-pass" if isa in ("avx512", "vnni") else "batched"
+    many = "one-pass" if isa in ("avx2-int16", "avx512", "vnni") else "batched"
     for t, path in ((1, "one-pass"), (3, "one-pass"), (130, many)):
         x = torch.randn(t, 576)
         assert_kernel_result(w.linear(x), x, w, isa, path)
@@ -376,9 +400,10 @@ def test_the_instruction_set_can_be_capped_and_restored() -> None:
     """set_isa never goes above what the CPU has, and every level it has serves the ops."""
     backend = kernel_backend()
     best = backend.best_isa
-    assert best in ("avx2", "avx512", "vnni", "amx") and ISAS[-1] == best
+    assert best in ("avx2-int16", "avx512", "vnni", "amx") and ISAS[-1] == best
     try:
         assert backend.set_isa("avx2") == "avx2" and backend.isa == "avx2"
+        assert backend.set_isa("avx2-int16") == "avx2-int16"
         assert backend.set_isa("amx") == best
     finally:
         backend.set_isa(best)
@@ -399,15 +424,17 @@ def run_python(code: str, **env: str) -> str:
     return out.stdout.strip()
 
 
-def test_a_capped_process_reports_its_cap() -> None:
-    """JITNEY_KERNEL_ISA=avx2 read when the library loads: that process runs the AVX2 kernels."""
+@pytest.mark.parametrize("cap", ["avx2", "avx2-int16"])
+def test_a_capped_process_reports_its_cap(cap) -> None:
+    """JITNEY_KERNEL_ISA read when the library loads: that process runs the kernels named (both
+    AVX2 levels exist on every CPU the library builds for)."""
     code = (
         "from engine.kernels import kernel_backend\n"
         "b = kernel_backend()\n"
         "print(b.isa if b.is_native else 'reference')\n"
     )
-    want = "avx2" if kernel_backend().is_native else "reference"
-    assert run_python(code, JITNEY_KERNEL_ISA="avx2") == want
+    want = cap if kernel_backend().is_native else "reference"
+    assert run_python(code, JITNEY_KERNEL_ISA=cap) == want
 
 
 def test_forced_reference_process_uses_the_fallback() -> None:

@@ -62,9 +62,11 @@ inline void token_tiles(int64_t T, const F& f) {
 
 // The instruction sets the kernels are written for, in order; a CPU runs the highest it has
 // (cpu_isa.cpp), or a lower one when capped (JITNEY_KERNEL_ISA, jitney_set_isa).
-// kVnni: AVX-512 with VNNI and VBMI, whose one-pass kernel takes int8 activations (quant_vnni.cpp);
-// kAmx implies it.
-enum Isa : int { kAvx2 = 0, kAvx512 = 1, kVnni = 2, kAmx = 3 };
+// kAvx2Int16 is no extra instruction set but AVX2's integer one pass (quant_avx2_int.cpp), every
+// AVX2 CPU's default; kAvx2 keeps its exact float32 one pass (gemv_avx2), as kAvx512 does on
+// AVX-512. kVnni: AVX-512 with VNNI and VBMI, whose one-pass kernel takes int8 activations
+// (quant_vnni.cpp); kAmx implies it.
+enum Isa : int { kAvx2 = 0, kAvx2Int16 = 1, kAvx512 = 2, kVnni = 3, kAmx = 4 };
 int active_isa();
 
 // y[t, n] for groups [g0, g1) and all T tokens, ldy = y's row stride; x [T, K] contiguous, sx
@@ -86,6 +88,17 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
 // The one pass with integer dot products (quant_vnni.cpp); sx as above.
 void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
                int64_t ldy, int64_t g0, int64_t g1);
+// The same activations as one int16 each, 254 hi + lo (quant_avx2_int.cpp): values [T, K],
+// scale [T, NB] as Int8Digits'.
+struct Int16Activations {
+  int16_t* values;
+  float* scale;
+};
+// Tokens a tile of the AVX2 integer one pass serves from registers.
+constexpr int kInt16Tile = 6;
+void quantize_activations_int16(const float* x, int64_t T, int64_t K, Int16Activations& out);
+void gemv_avx2_int16(const PackedMatrix& w, const Int16Activations& x, const float* sx, int64_t T,
+                     float* y, int64_t ldy, int64_t g0, int64_t g1);
 // The whole product with AMX tiles (bf16 weights and activations, float32 sums); xb is x in
 // bf16, [ceil(T/16) * 16, K] with zero rows past T.
 void amx_linear(const PackedMatrix& w, const uint16_t* xb, int64_t T, float* y, int64_t ldy);

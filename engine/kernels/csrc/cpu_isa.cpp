@@ -1,7 +1,7 @@
 // Which instruction set the kernels use: the highest this CPU (and its kernel, for AMX) offers,
-// or a lower one when capped. The cap comes from JITNEY_KERNEL_ISA (avx2, avx512, vnni, amx) when the
-// library loads, or from jitney_set_isa() (engine/kernels/build.py calls it through ctypes, so the
-// tests can run every path this machine has in one process).
+// or a lower one when capped. The cap comes from JITNEY_KERNEL_ISA (avx2, avx2-int16, avx512,
+// vnni, amx) when the library loads, or from jitney_set_isa() (engine/kernels/build.py calls it
+// through ctypes, so the tests can run every path this machine has in one process).
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -32,7 +32,7 @@ int detect() {
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
-  if (!avx512) return kAvx2;
+  if (!avx512) return kAvx2Int16;
   const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
   if (!vnni) return kAvx512;
   const bool amx = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
@@ -44,6 +44,7 @@ int from_env(int best) {
   const char* cap = std::getenv("JITNEY_KERNEL_ISA");
   if (cap == nullptr || *cap == '\0') return best;
   if (std::strcmp(cap, "avx2") == 0) return kAvx2;
+  if (std::strcmp(cap, "avx2-int16") == 0) return best < kAvx2Int16 ? best : kAvx2Int16;
   if (std::strcmp(cap, "avx512") == 0) return best < kAvx512 ? best : kAvx512;
   if (std::strcmp(cap, "vnni") == 0) return best < kVnni ? best : kVnni;
   return best;  // "amx" or anything else: no cap
@@ -61,7 +62,8 @@ bool amx_usable() { return kBest >= kAmx; }
 }  // namespace jitney_kernels
 
 extern "C" {
-// The best instruction set of this machine (0 AVX2, 1 AVX-512, 2 VNNI, 3 AMX) and the one in use.
+// The best instruction set of this machine (0 AVX2, 1 AVX2-int16, 2 AVX-512, 3 VNNI, 4 AMX) and
+// the one in use.
 int jitney_best_isa() { return jitney_kernels::kBest; }
 int jitney_active_isa() { return jitney_kernels::active_isa(); }
 // Use at most `cap` (but never more than the machine has); returns the one now in use.

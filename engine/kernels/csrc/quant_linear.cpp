@@ -6,8 +6,10 @@
 // Paths, chosen per call by the number of tokens T and the instruction set in use (cpu_isa.cpp):
 //   one pass (T < batched_min_tokens): the weights stream from memory once; each unpacked record
 //          serves a few tokens in registers: with VNNI, activations rounded to two int8 digits
-//          per block and integer dot products (gemv_vnni); else float32 activations kept exact
-//          (gemv_avx512, or gemv_avx2 here: tiles of 4 tokens, AVX2's sixteen registers).
+//          per block and integer dot products (gemv_vnni); on AVX2 the same arithmetic with
+//          vpmaddwd (gemv_avx2_int16, the default); else float32 activations kept exact
+//          (gemv_avx512, or gemv_avx2 here when capped to "avx2": tiles of 4 tokens, AVX2's
+//          sixteen registers).
 //   batched (T >= batched_min_tokens): with AMX, bf16 tiles (amx_linear); otherwise each thread
 //          dequantizes panels of rows into float32 columns that stay in L2 and multiplies them
 //          with MKL's sgemm (at::mm_out).
@@ -40,13 +42,14 @@ namespace {
 // NOTE: from this many tokens on a linear takes its batched path, per instruction set and kind;
 // measured with `python -m bench.kernels --crossover` (docs/performance.md has the tables): with
 // AMX, the one-pass kernel (tiles of up to 8 tokens) is faster up to 8 tokens and the bf16 tiles
-// from 9 (2 threads); on Zen 3's AVX2, since the one pass unpacks each record once per tile of 4
-// tokens, panels + sgemm win from 64-96 tokens on the Q4_1 shapes and not before 256 on the Q8_0
-// head (even at 128); with AVX-512 and no AMX (Zen 4), the one pass (float or VNNI) beat panels +
-// sgemm at every T measured, up to 256, by 1.2-1.9x: no batched path.
+// from 9 (2 threads); on Zen 3's AVX2, the float one pass (unpacking each record once per tile of
+// 4 tokens) lost to panels + sgemm from 64-96 tokens on the Q4_1 shapes and from 256 on the Q8_0
+// head, but the integer one pass ties or beats them at every T measured, up to 1024 (1.0-1.2x);
+// with AVX-512 and no AMX (Zen 4), the one pass (float or VNNI) beat panels + sgemm at every T
+// measured, up to 256, by 1.2-1.9x: no batched path.
 int64_t auto_crossover(int isa, Kind kind) {
   if (isa >= kAmx) return 9;
-  if (isa >= kAvx512) return std::numeric_limits<int64_t>::max();
+  if (isa >= kAvx2Int16) return std::numeric_limits<int64_t>::max();
   return kind == Kind::kQ4_1 ? 64 : 128;
 }
 
@@ -197,6 +200,20 @@ at::Tensor block_sums(const at::Tensor& x) {
   return sx;
 }
 
+// x as int16 activations (quant_avx2_int.cpp), for AVX2's integer one pass: one buffer per
+// thread, kept.
+struct Int16Buffer {
+  std::vector<int16_t> values;
+  std::vector<float> scale;
+  Int16Activations view;
+  void quantize(const float* x, int64_t T, int64_t K) {
+    values.resize(T * K);
+    scale.resize(T * K / kBlock);
+    view = {values.data(), scale.data()};
+    quantize_activations_int16(x, T, K, view);
+  }
+};
+
 // x as int8 digits (quant_vnni.cpp), for the integer-dot one pass: one buffer per thread, kept.
 struct Int8Activations {
   std::vector<int8_t> digits;
@@ -229,6 +246,15 @@ void one_pass(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y, int isa
     const Int8Digits view = xq.view;
     parallel_chunks(w.G, chunk, [&](int64_t g0, int64_t g1) {
       gemv_vnni(w, view, sp, T, yp, w.N, g0, g1);
+    });
+    return;
+  }
+  if (isa == kAvx2Int16) {
+    static thread_local Int16Buffer xq;
+    xq.quantize(xp, T, w.K());
+    const Int16Activations view = xq.view;  // a copy, as above
+    parallel_chunks(w.G, chunk, [&](int64_t g0, int64_t g1) {
+      gemv_avx2_int16(w, view, sp, T, yp, w.N, g0, g1);
     });
     return;
   }

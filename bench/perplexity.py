@@ -1,7 +1,7 @@
 """Perplexity of one model kept in several ways, on English prose that ships with Python.
 
 `python -m bench.perplexity [--model smollm2-135m] [--modes fp32,bf16,int8,gguf]
- [--tokens 8192] [--window 512] [--chunk 16] [--output perplexity.json]`
+ [--tokens 8192] [--window 512] [--chunk 16] [--kv-cache-dtype auto] [--output perplexity.json]`
 
 The text is the language reference's prose in `pydoc_data/topics.py` (every topic, in sorted
 order), so anyone with the same Python gets the same tokens. It is cut into windows of
@@ -17,7 +17,9 @@ Modes (each the same weights, kept differently):
   int8   Q8_0 blocks made from the fp32 weights (`--quantization int8`)
   gguf   the GGUF file's own blocks (`--quantization gguf`; a GGUF model only)
 For the bundled SmolLM2 the fp32 weights are the GGUF file's blocks dequantized, so gguf vs fp32
-measures the kernels and int8 vs fp32 the 8-bit rounding.
+measures the kernels and int8 vs fp32 the 8-bit rounding. `--kv-cache-dtype` keeps every mode's
+K/V as the engine's flag of that name does (auto: float16 for int8 and gguf, as the engine keeps
+a quantized forward's; the mode's own dtype for fp32 and bf16).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.step_inputs import AttentionMetadata
-from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
 from engine.models.model_loader import LoadedModel, load_model
 from engine.runner.model_runner import model_forward_for
 
@@ -65,12 +67,25 @@ def text_tokens(loaded: LoadedModel, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def score(loaded: LoadedModel, mode: str, tokens: list[int], window: int, chunk: int) -> Score:
+def score(
+    loaded: LoadedModel,
+    mode: str,
+    tokens: list[int],
+    window: int,
+    chunk: int,
+    kv_cache_dtype: str = "auto",
+) -> Score:
     """Sum of each scored token's negative log-likelihood, window by window."""
     _, quantization = MODES[mode]
     forward = model_forward_for(loaded, "auto", quantization)
+    dtype = loaded.model.dtype
     spec = KVCacheSpec(
-        loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.model.dtype, BLOCK_SIZE
+        loaded.num_layers,
+        loaded.num_kv_heads,
+        loaded.head_dim,
+        kv_storage_dtype(kv_cache_dtype, dtype, quantization != "none"),
+        BLOCK_SIZE,
+        compute_dtype=dtype,
     )
     nll, scored = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
@@ -96,7 +111,14 @@ def score(loaded: LoadedModel, mode: str, tokens: list[int], window: int, chunk:
     return Score(mode, math.exp(nll / scored), scored, nll)
 
 
-def run(model: str, modes: list[str], num_tokens: int, window: int, chunk: int) -> list[Score]:
+def run(
+    model: str,
+    modes: list[str],
+    num_tokens: int,
+    window: int,
+    chunk: int,
+    kv_cache_dtype: str = "auto",
+) -> list[Score]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown modes {unknown}; known: {list(MODES)}")
@@ -109,7 +131,7 @@ def run(model: str, modes: list[str], num_tokens: int, window: int, chunk: int) 
             loaded_by_dtype[dtype] = load_model(model, dtype=dtype)
         loaded = loaded_by_dtype[dtype]
         tokens = tokens or text_tokens(loaded, num_tokens)
-        scores.append(score(loaded, mode, tokens, window, chunk))
+        scores.append(score(loaded, mode, tokens, window, chunk, kv_cache_dtype))
     return scores
 
 
@@ -129,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=16, help="tokens per forward (0: a window)")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", help="results JSON")
     args = parser.parse_args(argv)
@@ -137,13 +162,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        scores = run(args.model, args.modes.split(","), args.tokens, args.window, args.chunk)
+        scores = run(
+            args.model,
+            args.modes.split(","),
+            args.tokens,
+            args.window,
+            args.chunk,
+            args.kv_cache_dtype,
+        )
     except ValueError as e:
         parser.error(str(e))
     print(markdown(scores))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"model": args.model, "window": args.window, "chunk": args.chunk,
+                       "kv_cache_dtype": args.kv_cache_dtype,
                        "scores": [asdict(s) for s in scores]}, f, indent=2)  # fmt: skip
 
 

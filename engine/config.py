@@ -38,6 +38,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     # KV cache budget in bytes ("2GiB"). None: on CUDA a fraction of free memory, on CPU 1GiB.
     kv_cache_memory: str | None = None
+    # What the KV pool stores (vLLM's --kv-cache-dtype): "auto", the model's dtype; "bfloat16" or
+    # "float16" halve a float32 model's K/V bytes (engine/kv_cache.py; docs/performance.md).
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     batching: str = "continuous"
@@ -86,6 +89,11 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto or one of {sorted(_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

@@ -24,11 +24,11 @@ from collections.abc import Collection
 from collections.abc import Sequence as SequenceABC
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.kv_cache import PagedKVCache
 from engine.models.model_loader import LoadedModel, Progress, load_model
 from engine.runner.model_runner import ModelRunner, resolve_forward
 from engine.sampler import sample
-from engine.startup import decode_attention_for
+from engine.startup import decode_attention_for, kv_cache_spec
 from generation.sampling_params import SamplingParams
 from scheduler import BlockIntegrityError, KVBlockManager, ScheduledChunk, Sequence, StepPlan
 
@@ -77,9 +77,10 @@ class DraftModel:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, kv_bytes: int, vocab_size: int):
         device, model = config.torch_device, loaded.model
-        spec = KVCacheSpec(
-            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype, config.block_size
-        )
+        # Its weights as --quantization auto would keep them (dense in the exact mode).
+        quantization = "none" if config.quantization == "none" else "auto"
+        self.forward_name, forward = resolve_forward(loaded, config.model_impl, quantization)
+        spec = kv_cache_spec(config, loaded, self.forward_name)
         num_blocks = kv_bytes // spec.bytes_per_block
         if num_blocks < 1:
             raise DraftModelError(
@@ -87,9 +88,6 @@ class DraftModel:
                 f"{spec.bytes_per_block} B: raise --speculative-kv-cache-memory"
             )
         kernel, _ = decode_attention_for(config, device, model, spec)
-        # Its weights as --quantization auto would keep them (dense in the exact mode).
-        quantization = "none" if config.quantization == "none" else "auto"
-        self.forward_name, forward = resolve_forward(loaded, config.model_impl, quantization)
         self.runner = ModelRunner(forward, PagedKVCache(spec, num_blocks, device, kernel))
         self.kv = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.name = loaded.name

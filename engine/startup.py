@@ -21,12 +21,12 @@ from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
 from engine.capacity import KVCapacity, budget_bytes, draft_budget_bytes, plan_capacity
 from engine.config import EngineConfig
 from engine.kernels import kernel_backend
-from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
 from engine.memory_profile import step_peak_bytes
 from engine.models.forward import ModelForward
 from engine.models.model_loader import LoadedModel
 from engine.runner.decode_graphs import CudaGraphCapture, graph_reserved_bytes
-from engine.runner.model_runner import ModelRunner, resolve_forward
+from engine.runner.model_runner import QUANTIZED_FORWARDS, ModelRunner, resolve_forward
 
 logger = logging.getLogger("jitney.engine")
 
@@ -54,15 +54,14 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
         backend = kernel_backend()
         logger.info("CPU kernels: %s %s (%s)", backend.name, backend.isa or "", backend.reason)
     model = loaded.model
-    spec = KVCacheSpec(
-        loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, model.dtype, config.block_size
-    )
-    use_graphs = device.type == "cuda" and not config.enforce_eager
-    decode_kernel, why_not = decode_attention_for(config, device, model, spec)
     forward_name, forward = resolve_forward(
         loaded, config.model_impl, config.quantization, config.compile
     )
     logger.info("forward: %s", forward_name)
+    spec = kv_cache_spec(config, loaded, forward_name)
+    logger.info("KV cache: %s (attention in %s)", spec.dtype, spec.attention_dtype)
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    decode_kernel, why_not = decode_attention_for(config, device, model, spec)
     step_peak = None
     if device.type == "cuda" and config.kv_cache_memory is None:
         step_peak = _step_peak(config, loaded, forward, spec, decode_kernel, use_graphs)
@@ -76,6 +75,20 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
     return StartupPlan(capacity, kv_cache, runner, forward_name, why_not, draft_kv_bytes)
 
 
+def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, forward_name: str) -> KVCacheSpec:
+    """The pool's shape for `loaded` run by `forward_name`: K/V in `--kv-cache-dtype` (auto:
+    engine/kv_cache.py kv_storage_dtype)."""
+    dtype = loaded.model.dtype
+    return KVCacheSpec(
+        loaded.num_layers,
+        loaded.num_kv_heads,
+        loaded.head_dim,
+        kv_storage_dtype(config.kv_cache_dtype, dtype, forward_name in QUANTIZED_FORWARDS),
+        config.block_size,
+        compute_dtype=dtype,
+    )
+
+
 def decode_attention_for(
     config: EngineConfig, device: torch.device, model: torch.nn.Module, spec: KVCacheSpec
 ) -> tuple[str | None, str | None]:
@@ -86,6 +99,7 @@ def decode_attention_for(
         spec.head_dim,
         spec.block_size,
         spec.dtype,
+        spec.attention_dtype,
     )
     decode_kernel, why_not = resolve_decode_attention(config.decode_attention, device, shape)
     if why_not is not None and device.type == "cuda":

@@ -6,7 +6,8 @@ and the step's keys and values cross memory three times. `jitney::paged_decode_`
 (engine/kernels/csrc/layer_ops.cpp) reads each live key and value once, where it lies: one task
 per (sequence, KV head) serves that head's whole GQA group, two passes over the positions its
 block table names (scores and softmax, then the weighted sum of values), float32 throughout. It
-serves float32 pools only, and only where the C++ kernels built (engine/kernels/build.py).
+serves a float32 model's pool of float32, bfloat16 or float16 K/V (widened as loaded), and only
+where the C++ kernels built (engine/kernels/build.py).
 """
 
 from __future__ import annotations
@@ -15,13 +16,23 @@ import torch
 
 from engine.kernels.ops import kernel_backend
 
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-def unavailable_because(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the native kernel cannot serve this pool (None: it can)."""
+
+def unavailable_because(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    compute_dtype: torch.dtype | None = None,
+) -> str | None:
+    """Why the native kernel cannot serve this pool of `dtype` for a model computing in
+    `compute_dtype` (None: the pool's) (None: it can)."""
     if device.type != "cpu":
         return f"the native kernel runs on the CPU, not {device.type}"
-    if dtype != torch.float32:
-        return f"the native kernel reads float32 pools, not {dtype}"
+    if (compute_dtype or dtype) != torch.float32:
+        return f"the native kernel serves float32 models, not {compute_dtype or dtype}"
+    if dtype not in POOL_DTYPES:
+        return f"the native kernel reads float32, bfloat16 or float16 pools, not {dtype}"
     if head_dim % 8:
         return f"the native kernel needs a head size that is a multiple of 8, not {head_dim}"
     backend = kernel_backend()
@@ -32,7 +43,7 @@ def unavailable_because(device: torch.device, dtype: torch.dtype, head_dim: int)
 
 def native_decode_attention(
     query: torch.Tensor,  # [B, Hq, D], one new token per sequence (rows may be strided)
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]: float32, bfloat16 or float16
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, W] int64
     ctx_lens: torch.Tensor,  # [B] int64: keys at positions [0, ctx)

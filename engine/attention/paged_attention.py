@@ -91,12 +91,12 @@ def attend(
     for i, c in enumerate(meta.prefills):
         q = queries[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if c.blocks is None:  # start == 0: the context is exactly this chunk's fresh K/V
-            k = keys[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0).to(meta.mask_dtype)
-            v = values[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0).to(meta.mask_dtype)
+            k = cache.as_read(keys[c.q_start : c.q_end]).transpose(0, 1).unsqueeze(0)
+            v = cache.as_read(values[c.q_start : c.q_end]).transpose(0, 1).unsqueeze(0)
         else:
             k, v = cache.read_blocks(layer, c.blocks)
-            k = k.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = v.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            k = k.view(1, -1, num_kv_heads, head_dim).transpose(1, 2).to(meta.mask_dtype)
+            v = v.view(1, -1, num_kv_heads, head_dim).transpose(1, 2).to(meta.mask_dtype)
         mask = meta.prefill_mask(i, window)
         q = q.to(meta.mask_dtype)
         if groups > 1 and not sdpa_takes_gqa(q, mask):
@@ -146,8 +146,9 @@ def _decode_gathered(
         shape = (num_dec, -1, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q,
-            k.view(shape).transpose(1, 2),  # [n, kv_heads, keys, d], strided: no copy
-            v.view(shape).transpose(1, 2),
+            # [n, kv_heads, keys, d], strided: no copy (but the widening of a 16-bit pool)
+            k.view(shape).transpose(1, 2).to(meta.mask_dtype),
+            v.view(shape).transpose(1, 2).to(meta.mask_dtype),
             attn_mask=meta.decode_mask(g, window),
             scale=scaling,
         )

@@ -84,7 +84,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [S] int64: rows of T whose logits are wanted
     input_ids: torch.Tensor | None  # [T] int64, when build was given them
     block_size: int
-    mask_dtype: torch.dtype  # the pool's dtype: queries, keys and masks are all cast to it
+    mask_dtype: torch.dtype  # attention's dtype: queries, keys and masks are all cast to it
     # The sequences with exactly one new token, in groups of similar context length.
     decodes: list[DecodeGroup]
     decode_ctx: torch.Tensor  # [Bd] their context lengths, group after group
@@ -147,7 +147,7 @@ class AttentionMetadata:
             logits_indices=logits_t,
             input_ids=ids_t if input_ids else None,
             block_size=bs,
-            mask_dtype=kv_cache.spec.dtype,
+            mask_dtype=kv_cache.spec.attention_dtype,
             decodes=_decode_views(groups, packed, table, dec_rows_t, dec_q_t, bs),
             decode_ctx=dec_ctx_t,
             prefills=_prefill_views(packed, table, bs),

@@ -136,13 +136,14 @@ class DecodeShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the pool's
+    compute_dtype: torch.dtype | None = None  # the model's (None: the pool's)
 
 
 def unavailable_because(device: torch.device, shape: DecodeShape) -> str | None:
     """Why the kernel cannot serve `shape` on `device`, or None when it can: it needs Triton
-    with a CUDA device (or Triton's CPU interpreter), whole query groups, and a power-of-two
-    head size of at least 16."""
+    with a CUDA device (or Triton's CPU interpreter), K/V stored in the model's dtype, whole query
+    groups, and a power-of-two head size of at least 16."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -151,6 +152,8 @@ def unavailable_because(device: torch.device, shape: DecodeShape) -> str | None:
         return "on the CPU Triton runs only as its interpreter (TRITON_INTERPRET=1, for tests)"
     if device.type not in ("cpu", "cuda"):
         return f"no Triton backend for {device.type}"
+    if shape.compute_dtype not in (None, shape.dtype):
+        return f"the Triton kernel reads a pool of the model's dtype, not {shape.dtype}"
     d = shape.head_dim
     if shape.num_heads % shape.num_kv_heads or d < 16 or d & (d - 1):
         return (
@@ -205,7 +208,9 @@ def resolve_decode_attention(
     if choice == "gather":
         return None, None
     if choice == "native" or (choice == "auto" and device.type == "cpu"):
-        why = native_decode.unavailable_because(device, shape.dtype, shape.head_dim)
+        why = native_decode.unavailable_because(
+            device, shape.dtype, shape.head_dim, shape.compute_dtype
+        )
         if choice == "native" and why is not None:
             raise ValueError(f"--decode-attention native: {why}")
         return (None, why) if why is not None else ("native", None)

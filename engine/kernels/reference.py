@@ -223,8 +223,8 @@ def rope_write_kv_(
     qk = torch.cat([q, k], dim=1)
     c, s = cos[:, None], sin[:, None]
     qk = qk * c + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * s
-    key_slots[slots] = qk[:, num_heads:]
-    value_slots[slots] = v
+    key_slots[slots] = qk[:, num_heads:].to(key_slots.dtype)  # bf16/fp16: rounded to nearest even
+    value_slots[slots] = v.to(value_slots.dtype)
     return qk
 
 
@@ -238,14 +238,15 @@ def paged_decode_(
     window: int,  # > 0: only the last `window` keys
     out: torch.Tensor,  # [B, H, D], written
 ) -> None:
-    """Each sequence's query over its own keys, gathered from its blocks."""
+    """Each sequence's query over its own keys, gathered from its blocks (a bfloat16 or float16
+    pool widened to the query's float32)."""
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
     for b in range(q.shape[0]):
         n = int(ctx_lens[b])
         lo = max(0, n - window) if window > 0 else 0
-        keys = key_cache[block_tables[b]].flatten(0, 1)[lo:n]  # [n, KV, D]
-        values = value_cache[block_tables[b]].flatten(0, 1)[lo:n]
+        keys = key_cache[block_tables[b]].flatten(0, 1)[lo:n].to(q.dtype)  # [n, KV, D]
+        values = value_cache[block_tables[b]].flatten(0, 1)[lo:n].to(q.dtype)
         groups = num_heads // num_kv_heads
         keys = keys.repeat_interleave(groups, 1).transpose(0, 1)  # [H, n, D]
         values = values.repeat_interleave(groups, 1).transpose(0, 1)

@@ -222,7 +222,7 @@ class DecodeGraphs:
             logits_indices=self.logits_rows[:padded],
             input_ids=self.input_ids[:padded],
             block_size=cache.block_size,
-            mask_dtype=cache.spec.dtype,
+            mask_dtype=cache.spec.attention_dtype,
             decodes=[group],
             decode_ctx=self.ctx[:padded],
             prefills=[],

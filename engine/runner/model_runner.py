@@ -35,6 +35,11 @@ def model_forward_for(
     return resolve_forward(loaded, impl, quantization, compiled)[1]
 
 
+# The forwards whose weights are quantized blocks (CPU, float32): already not the exact mode, so
+# `--kv-cache-dtype auto` stores their K/V in float16 (engine/kv_cache.py kv_storage_dtype).
+QUANTIZED_FORWARDS = ("jitney-gguf", "jitney-int8")
+
+
 def resolve_forward(
     loaded: LoadedModel, impl: str = "auto", quantization: str = "auto", compiled: bool = False
 ) -> tuple[str, ModelForward]:

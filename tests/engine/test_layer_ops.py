@@ -74,6 +74,33 @@ def test_rope_write_kv_matches_its_definition(qk_norms):
 
 
 @native_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_write_kv_rounds_into_a_16_bit_pool_as_torch_does(dtype):
+    """`--kv-cache-dtype`: K and V are stored rounded to nearest even, the bits torch's
+    .to(dtype) gives (so the Python path's writes and the kernel's agree), nothing else written."""
+    g = _gen(5)
+    heads, kv_heads, d, tokens, num_slots = 9, 3, 64, 5, 30
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 3
+    angles = torch.rand(tokens, d // 2, generator=g) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    k_cache = torch.zeros(num_slots, kv_heads, d, dtype=dtype)
+    v_cache = torch.zeros(num_slots, kv_heads, d, dtype=dtype)
+    qk = ops.rope_write_kv_(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, None, None, 0)
+    assert qk.dtype == torch.float32  # Q and K leave in float32: attention computes in it
+    v = qkv.view(tokens, -1, d)[:, heads + kv_heads :]
+    assert torch.equal(v_cache[slots], v.to(dtype))
+    assert torch.equal(k_cache[slots], qk[:, heads:].to(dtype))
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.rope_write_kv_(
+            qkv, cos, sin, slots, k_cache, v_cache.float(), heads, kv_heads, None, None, 0
+        )
+
+
+@native_only
 def test_rope_write_kv_refuses_a_slot_outside_the_cache():
     k_cache = v_cache = torch.zeros(4, 1, 8)
     qkv, cos = torch.zeros(1, 3 * 8), torch.ones(1, 8)
@@ -150,6 +177,25 @@ def test_native_decode_runs_a_verifications_rows_by_kv_head_with_the_same_result
 
 
 @native_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 40])  # AVX-512's loop, and AVX2's for any CPU
+def test_native_decode_reads_a_16_bit_pool(dtype, d, isa):
+    """A bfloat16 or float16 pool, widened as it is loaded, gives what gathered attention over
+    the same values in float32 gives; a pool of the wrong kind is refused by name."""
+    key_cache, value_cache, g = _pool(6, d=d)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    ctx = torch.tensor([333, 1, 17, 100])
+    tables = torch.stack([torch.randperm(24, generator=g) for _ in ctx])
+    q = torch.randn(len(ctx), 9, d, generator=g)
+    want = torch.empty_like(q)
+    reference.paged_decode_(q, key_cache.float(), value_cache.float(), tables, ctx, 0.2, 0, want)
+    got = native_decode_attention(q, key_cache, value_cache, tables, ctx, 0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        native_decode_attention(q, key_cache.double(), value_cache.double(), tables, ctx, 0.2)
+
+
+@native_only
 def test_native_decode_refuses_a_context_its_table_does_not_hold():
     key_cache, value_cache, _ = _pool(3, num_blocks=4)
     q = torch.zeros(1, 9, 64)
@@ -167,10 +213,16 @@ def test_auto_takes_the_native_kernel_on_a_cpu_where_it_serves_the_pool():
         assert resolve_decode_attention("native", CPU, shape) == ("native", None)
     else:
         assert kernel is None and "C++ kernels are not in use" in why
-    bf16 = DecodeShape(9, 3, 64, 16, torch.bfloat16)
+    bf16 = DecodeShape(9, 3, 64, 16, torch.bfloat16)  # a bfloat16 model's pool
     kernel, why = resolve_decode_attention("auto", CPU, bf16)
     assert kernel is None and why == unavailable_because(CPU, torch.bfloat16, 64)
     assert "float32" in why
     with pytest.raises(ValueError, match=r"--decode-attention native: .*float32"):
         resolve_decode_attention("native", CPU, bf16)
+    # A float32 model's 16-bit pool (--kv-cache-dtype) is the kernel's to read.
+    for dtype in (torch.bfloat16, torch.float16):
+        half_pool = DecodeShape(9, 3, 64, 16, dtype, torch.float32)
+        if kernel_backend().is_native:
+            assert resolve_decode_attention("auto", CPU, half_pool) == ("native", None)
+    assert "pools" in unavailable_because(CPU, torch.float64, 64, torch.float32)
     assert resolve_decode_attention("gather", CPU, shape) == (None, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -21,7 +22,7 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from engine.attention import paged_attention, step_inputs
+from engine.attention import native_decode, paged_attention, step_inputs
 from engine.attention.paged_attention import use_paged_attention
 from engine.attention.step_inputs import AttentionMetadata, group_decodes
 from engine.kv_cache import KVCacheSpec, PagedKVCache, parse_bytes
@@ -59,10 +60,15 @@ def make_models(family: str = "llama", **overrides: object) -> tuple[PreTrainedM
     return ref, paged
 
 
-def make_cache(config: PretrainedConfig, block_size: int = 4, num_blocks: int = 64) -> PagedKVCache:
-    return PagedKVCache(
-        KVCacheSpec.from_model_config(config, torch.float32, block_size), num_blocks
-    )
+def make_cache(
+    config: PretrainedConfig,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    dtype: torch.dtype = torch.float32,
+) -> PagedKVCache:
+    """A float32 model's pool, its K/V stored in `dtype` (`--kv-cache-dtype`)."""
+    spec = KVCacheSpec.from_model_config(config, dtype, block_size)
+    return PagedKVCache(dataclasses.replace(spec, compute_dtype=torch.float32), num_blocks)
 
 
 class BlockPool:
@@ -135,6 +141,36 @@ def test_chunked_prefill_then_decode_matches_one_shot(family: str) -> None:
         (got,) = run_step(paged, cache, [(toks, done, n, table)])
         assert_close(got, want[done : done + n])
         done += n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decode_kernel", [None, "native"])
+def test_a_16_bit_pool_gives_every_path_the_same_rounded_keys(dtype, decode_kernel) -> None:
+    """K/V stored in 16 bits are rounded once, as written: a prompt's first chunk, which attends
+    its fresh K/V without reading them back, sees the rounded values too, so a prompt prefilled
+    in one chunk and the same prompt in three (the later chunks reading the pool) give the same
+    logits to float32 rounding, and so do the decodes after, gathered or in place. Both stay
+    close to the float32 model's, and the pool holds half the bytes."""
+    if decode_kernel == "native" and native_decode.unavailable_because(
+        torch.device("cpu"), dtype, 16, torch.float32
+    ):
+        pytest.skip("the native decode kernel is not built here")
+    ref, paged = make_models("llama")
+    toks = rand_tokens(24, seed=3)  # prompt 20, then 4 decoded tokens
+    want = reference_logits(ref, toks)
+    runs = []
+    for chunks in ((20, 1, 1, 1, 1), (5, 7, 8, 1, 1, 1, 1)):
+        cache = make_cache(paged.config, dtype=dtype)
+        cache.decode_kernel = decode_kernel
+        table, done, logits = BlockPool(64).take(6), 0, []
+        for n in chunks:
+            (got,) = run_step(paged, cache, [(toks, done, n, table)])
+            logits.append(got)
+            done += n
+        runs.append(torch.cat(logits))
+    assert cache.spec.bytes_per_block * 2 == make_cache(paged.config).spec.bytes_per_block
+    assert (runs[0] - runs[1]).abs().max().item() < 1e-5
+    assert (runs[1] - want).abs().max().item() < 5e-2
 
 
 @pytest.mark.parametrize("gqa", ["enable_gqa", "repeated"])

@@ -44,6 +44,34 @@ def test_the_engine_reports_the_forward_it_resolved(smollm2, loaded) -> None:
     assert exact.view.forward_name == "jitney-none"
 
 
+def test_auto_kv_cache_is_float16_beside_quantized_blocks_and_the_models_dtype_else(
+    smollm2, loaded
+) -> None:
+    """`--kv-cache-dtype auto`: a quantized forward (not the exact mode already) keeps K/V in
+    float16; the exact mode and dense models keep the model's float32; a named dtype wins."""
+    pools = {
+        (model.name, q, kv): make_engine(
+            model, kv_cache_memory="16MiB", quantization=q, kv_cache_dtype=kv
+        ).kv_cache.spec.dtype
+        for model, q, kv in [
+            (smollm2, "auto", "auto"),
+            (smollm2, "int8", "auto"),
+            (smollm2, "none", "auto"),
+            (loaded, "auto", "auto"),
+            (smollm2, "auto", "float32"),
+            (smollm2, "none", "bfloat16"),
+        ]
+    }
+    assert list(pools.values()) == [
+        torch.float16,
+        torch.float16,
+        torch.float32,
+        torch.float32,
+        torch.float32,
+        torch.bfloat16,
+    ]
+
+
 def test_uncovered_block_types_are_named_and_refused_when_asked_for(smollm2) -> None:
     """A file whose layer matrices are in a type without a kernel: auto would stay dense, and an
     explicit gguf says which type and what to do; the embedding's own type does not matter."""

@@ -19,6 +19,8 @@ from tests.engine.speculation_helpers import GREEDY, PROMPTS, both, run
         {"decode_attention": "gather"},
         {"model_impl": "transformers"},
         {"num_speculative_tokens": 1, "prompt_lookup_min": 1},
+        {"kv_cache_dtype": "float16"},  # a 16-bit pool: verified rows read the rounded K/V too
+        {"kv_cache_dtype": "bfloat16", "decode_attention": "gather"},
     ],
 )
 def test_greedy_tokens_are_those_of_plain_decoding(loaded: LoadedModel, config: dict):

@@ -1,6 +1,7 @@
 // Decode attention's per-(sequence, KV head) loop, called by paged_decode_ (layer_ops.cpp): for
 // AVX-512 where the CPU runs it and the head size is a multiple of 16 (attention_avx512.cpp),
-// else for AVX2 (attention_avx2.cpp).
+// else for AVX2 (attention_avx2.cpp). The pool holds float32, bfloat16 or float16 keys and values
+// (`--kv-cache-dtype`); each is widened to float32 as it is loaded, and all arithmetic is float32.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,25 @@
 namespace jitney_kernels {
 
 constexpr int64_t kMaxHeadVectors = 32;  // head sizes up to 256 floats (paged_decode_ checks)
+
+// What one element of the pool is (its bits: float, or the 16 bits of a bfloat16 or float16).
+enum class KVType { kFloat32, kBFloat16, kFloat16 };
+
+// f(float{}) or f(uint16_t{}) with the tag of a 16-bit type: the element type the loops read.
+struct BF16Tag {};
+struct F16Tag {};
+template <class F>
+inline void by_kv_type(KVType t, const F& f) {
+  if (t == KVType::kBFloat16) {
+    f(BF16Tag{});
+  } else if (t == KVType::kFloat16) {
+    f(F16Tag{});
+  } else {
+    f(float{});
+  }
+}
+template <class Tag>
+using KVElem = std::conditional_t<std::is_same_v<Tag, float>, float, uint16_t>;
 
 // f(std::integral_constant<int, D / kLanes>{}) for the common head sizes (64, 128), whose loops
 // the compiler unrolls, else f(std::integral_constant<int, 0>{}): the head size read at run time.
@@ -39,17 +59,17 @@ struct Cursor {
 };
 
 // G query heads (q, q_head_stride apart) of one KV head over positions [lo, hi): scores,
-// softmax, weighted sum of values into out (out_head_stride apart). Keys and values are read in
-// place: position p is slot p % bs of block table[p / bs]. scores: scratch of G rows of
-// (hi - lo) rounded up to 16 floats.
-void attend_one_avx512(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
-                       const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
+// softmax, weighted sum of values into out (out_head_stride apart). Keys and values (elements of
+// kv_type) are read in place: position p is slot p % bs of block table[p / bs], the strides in
+// elements. scores: scratch of G rows of (hi - lo) rounded up to 16 floats.
+void attend_one_avx512(KVType kv_type, const float* q, int64_t q_head_stride, const void* kc,
+                       const void* vc, const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
                        int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
                        int64_t out_head_stride, float* scores);
 
 // The same for AVX2 (a head size that is a multiple of 8).
-void attend_one_avx2(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
-                     const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
+void attend_one_avx2(KVType kv_type, const float* q, int64_t q_head_stride, const void* kc,
+                     const void* vc, const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
                      int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
                      int64_t out_head_stride, float* scores);
 

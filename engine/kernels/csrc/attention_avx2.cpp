@@ -7,7 +7,8 @@
 // scores by a tree of horizontal adds and one lane swap: about one operation a score, where a
 // horizontal sum per score costs six and its latency. Values: up to three heads at a time over
 // part of the head (the accumulators in registers), so each value vector is loaded once for them. A head of 64 runs about six times faster than a loop that sums each score on its own
-// and keeps its accumulators in memory (docs/performance.md).
+// and keeps its accumulators in memory (docs/performance.md). A bfloat16 or float16 pool is
+// widened to float32 as it is loaded (a shift, or F16C's vcvtph2ps).
 
 #include <algorithm>
 #include <cstdint>
@@ -18,6 +19,21 @@
 
 namespace jitney_kernels {
 namespace {
+
+// Eight of the pool's elements at p, as float32.
+template <class Tag>
+inline __m256 load8(const KVElem<Tag>* p) {
+  if constexpr (std::is_same_v<Tag, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<Tag, BF16Tag>) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+  }
+}
 
 // Lane l of the result is the sum of the eight lanes of a[l].
 inline __m256 reduce8(const __m256 a[8]) {
@@ -50,8 +66,8 @@ void softmax_row(float* sg, int64_t n, int64_t stride) {
 
 // out[h] = sum_p w[h][p] v_p for HG heads (w rows `stride` apart), CV vectors of the head at a
 // time: HG x CV accumulators stay in registers and each value vector is loaded once for all HG.
-template <int HG, int CV>
-void weigh_values(const float* w, int64_t stride, const float* vc, const Cursor& start, int64_t n,
+template <int HG, int CV, class Tag>
+void weigh_values(const float* w, int64_t stride, const KVElem<Tag>* vc, const Cursor& start, int64_t n,
                   int64_t nv, float* out, int64_t out_head_stride) {
   for (int64_t c = 0; c < nv; c += CV) {
     const int64_t cn = std::min<int64_t>(CV, nv - c);
@@ -60,14 +76,14 @@ void weigh_values(const float* w, int64_t stride, const float* vc, const Cursor&
       for (int i = 0; i < CV; ++i) acc[h][i] = _mm256_setzero_ps();
     Cursor at = start;
     for (int64_t p = 0; p < n; ++p) {
-      const float* val = vc + at.offset() + 8 * c;
+      const KVElem<Tag>* val = vc + at.offset() + 8 * c;
       at.next();
       __m256 wp[HG];
       for (int h = 0; h < HG; ++h) wp[h] = _mm256_set1_ps(w[h * stride + p]);
 #pragma GCC unroll 8
       for (int i = 0; i < CV; ++i) {  // unrolled, so the accumulators stay in registers
         if (i >= cn) break;
-        const __m256 v = _mm256_loadu_ps(val + 8 * i);
+        const __m256 v = load8<Tag>(val + 8 * i);
         for (int h = 0; h < HG; ++h) acc[h][i] = _mm256_fmadd_ps(wp[h], v, acc[h][i]);
       }
     }
@@ -76,8 +92,8 @@ void weigh_values(const float* w, int64_t stride, const float* vc, const Cursor&
   }
 }
 
-template <int NV>  // head size / 8 (0: any, read at run time)
-void attend(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
+template <int NV, class Tag>  // head size / 8 (0: any, read at run time); the pool's element
+void attend(const float* q, int64_t q_head_stride, const KVElem<Tag>* kc, const KVElem<Tag>* vc,
             const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride, int64_t lo,
             int64_t hi, int64_t G, int64_t D, float scale, float* out, int64_t out_head_stride,
             float* scores) {
@@ -97,13 +113,13 @@ void attend(const float* q, int64_t q_head_stride, const float* kc, const float*
           a[k] = _mm256_setzero_ps();
           continue;
         }
-        const float* key = kc + at.offset();
+        const KVElem<Tag>* key = kc + at.offset();
         at.next();
-        __m256 acc0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(key));
+        __m256 acc0 = _mm256_mul_ps(qv[0], load8<Tag>(key));
         __m256 acc1 = _mm256_setzero_ps();
         for (int64_t i = 1; i < nv; i += 2) {
-          acc1 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(key + 8 * i), acc1);
-          if (i + 1 < nv) acc0 = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(key + 8 * i + 8), acc0);
+          acc1 = _mm256_fmadd_ps(qv[i], load8<Tag>(key + 8 * i), acc1);
+          if (i + 1 < nv) acc0 = _mm256_fmadd_ps(qv[i + 1], load8<Tag>(key + 8 * i + 8), acc0);
         }
         a[k] = _mm256_add_ps(acc0, acc1);
       }
@@ -118,13 +134,13 @@ void attend(const float* q, int64_t q_head_stride, const float* kc, const float*
     const float* w = scores + g0 * stride;
     float* o = out + g0 * out_head_stride;
     if (left == 1) {
-      weigh_values<1, 8>(w, stride, vc, Cursor(table, bs, block_stride, slot_stride, lo), n, nv, o, out_head_stride);
+      weigh_values<1, 8, Tag>(w, stride, vc, Cursor(table, bs, block_stride, slot_stride, lo), n, nv, o, out_head_stride);
       g0 += 1;
     } else if (left == 3) {
-      weigh_values<3, 4>(w, stride, vc, Cursor(table, bs, block_stride, slot_stride, lo), n, nv, o, out_head_stride);
+      weigh_values<3, 4, Tag>(w, stride, vc, Cursor(table, bs, block_stride, slot_stride, lo), n, nv, o, out_head_stride);
       g0 += 3;
     } else {
-      weigh_values<2, 4>(w, stride, vc, Cursor(table, bs, block_stride, slot_stride, lo), n, nv, o, out_head_stride);
+      weigh_values<2, 4, Tag>(w, stride, vc, Cursor(table, bs, block_stride, slot_stride, lo), n, nv, o, out_head_stride);
       g0 += 2;
     }
   }
@@ -132,13 +148,18 @@ void attend(const float* q, int64_t q_head_stride, const float* kc, const float*
 
 }  // namespace
 
-void attend_one_avx2(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
-                     const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
-                     int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
-                     int64_t out_head_stride, float* scores) {
-  by_head_size<8>(D, [&](auto nv) {
-    attend<decltype(nv)::value>(q, q_head_stride, kc, vc, table, bs, block_stride, slot_stride, lo, hi,
-                                G, D, scale, out, out_head_stride, scores);
+void attend_one_avx2(KVType kv_type, const float* q, int64_t q_head_stride, const void* kc,
+                     const void* vc, const int64_t* table, int64_t bs, int64_t block_stride,
+                     int64_t slot_stride, int64_t lo, int64_t hi, int64_t G, int64_t D, float scale,
+                     float* out, int64_t out_head_stride, float* scores) {
+  by_kv_type(kv_type, [&](auto tag) {
+    using Tag = decltype(tag);
+    const auto* k = static_cast<const KVElem<Tag>*>(kc);
+    const auto* v = static_cast<const KVElem<Tag>*>(vc);
+    by_head_size<8>(D, [&](auto nv) {
+      attend<decltype(nv)::value, Tag>(q, q_head_stride, k, v, table, bs, block_stride, slot_stride,
+                                       lo, hi, G, D, scale, out, out_head_stride, scores);
+    });
   });
 }
 

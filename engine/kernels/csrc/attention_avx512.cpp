@@ -6,7 +6,8 @@
 // where they lie in the paged pool. Scores: sixteen keys at a time, each key's products with a
 // query head summed in a vector, the sixteen vectors then reduced into one vector of sixteen
 // scores (a transposing tree of unpacks and lane shuffles: about 3 operations a score instead of
-// a horizontal sum each). Values: each value vector loaded once for all G heads.
+// a horizontal sum each). Values: each value vector loaded once for all G heads. A bfloat16 or
+// float16 pool is widened to float32 as it is loaded (a shift, or vcvtph2ps).
 
 #include <algorithm>
 #include <cstdint>
@@ -41,6 +42,21 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~small), p, _mm512_castsi512_ps(e));
 }
 
+// Sixteen of the pool's elements at p, as float32.
+template <class Tag>
+inline __m512 load16(const KVElem<Tag>* p) {
+  if constexpr (std::is_same_v<Tag, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<Tag, BF16Tag>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
 // Lane l of the result is the sum of the sixteen lanes of a[l].
 inline __m512 reduce16(const __m512 a[16]) {
   __m512 b[8], c[4];
@@ -62,8 +78,8 @@ inline __m512 reduce16(const __m512 a[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xDD));
 }
 
-template <int NV>  // head size / 16 (0: any, read at run time)
-void attend(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
+template <int NV, class Tag>  // head size / 16 (0: any, read at run time); the pool's element
+void attend(const float* q, int64_t q_head_stride, const KVElem<Tag>* kc, const KVElem<Tag>* vc,
             const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride, int64_t lo,
             int64_t hi, int64_t G, int64_t D, float scale, float* out, int64_t out_head_stride,
             float* scores) {
@@ -82,13 +98,13 @@ void attend(const float* q, int64_t q_head_stride, const float* kc, const float*
           a[k] = _mm512_setzero_ps();
           continue;
         }
-        const float* key = kc + at.offset();
+        const KVElem<Tag>* key = kc + at.offset();
         at.next();
-        __m512 acc0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+        __m512 acc0 = _mm512_mul_ps(qv[0], load16<Tag>(key));
         __m512 acc1 = _mm512_setzero_ps();
         for (int64_t i = 1; i < nv; i += 2) {
-          acc1 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(key + 16 * i), acc1);
-          if (i + 1 < nv) acc0 = _mm512_fmadd_ps(qv[i + 1], _mm512_loadu_ps(key + 16 * i + 16), acc0);
+          acc1 = _mm512_fmadd_ps(qv[i], load16<Tag>(key + 16 * i), acc1);
+          if (i + 1 < nv) acc0 = _mm512_fmadd_ps(qv[i + 1], load16<Tag>(key + 16 * i + 16), acc0);
         }
         a[k] = _mm512_add_ps(acc0, acc1);
       }
@@ -119,11 +135,11 @@ void attend(const float* q, int64_t q_head_stride, const float* kc, const float*
     const float* w1 = gn > 1 ? w0 + stride : w0;
     Cursor at(table, bs, block_stride, slot_stride, lo);
     for (int64_t p = 0; p < n; ++p) {
-      const float* val = vc + at.offset();
+      const KVElem<Tag>* val = vc + at.offset();
       at.next();
       const __m512 a = _mm512_set1_ps(w0[p]), b = _mm512_set1_ps(w1[p]);
       for (int64_t i = 0; i < nv; ++i) {
-        const __m512 v = _mm512_loadu_ps(val + 16 * i);
+        const __m512 v = load16<Tag>(val + 16 * i);
         acc[0][i] = _mm512_fmadd_ps(a, v, acc[0][i]);
         acc[1][i] = _mm512_fmadd_ps(b, v, acc[1][i]);
       }
@@ -135,13 +151,18 @@ void attend(const float* q, int64_t q_head_stride, const float* kc, const float*
 
 }  // namespace
 
-void attend_one_avx512(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
-                       const int64_t* table, int64_t bs, int64_t block_stride, int64_t slot_stride,
-                       int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, float* out,
-                       int64_t out_head_stride, float* scores) {
-  by_head_size<16>(D, [&](auto nv) {
-    attend<decltype(nv)::value>(q, q_head_stride, kc, vc, table, bs, block_stride, slot_stride, lo, hi,
-                                G, D, scale, out, out_head_stride, scores);
+void attend_one_avx512(KVType kv_type, const float* q, int64_t q_head_stride, const void* kc,
+                       const void* vc, const int64_t* table, int64_t bs, int64_t block_stride,
+                       int64_t slot_stride, int64_t lo, int64_t hi, int64_t G, int64_t D,
+                       float scale, float* out, int64_t out_head_stride, float* scores) {
+  by_kv_type(kv_type, [&](auto tag) {
+    using Tag = decltype(tag);
+    const auto* k = static_cast<const KVElem<Tag>*>(kc);
+    const auto* v = static_cast<const KVElem<Tag>*>(vc);
+    by_head_size<16>(D, [&](auto nv) {
+      attend<decltype(nv)::value, Tag>(q, q_head_stride, k, v, table, bs, block_stride, slot_stride,
+                                       lo, hi, G, D, scale, out, out_head_stride, scores);
+    });
   });
 }
 

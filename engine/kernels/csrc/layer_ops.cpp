@@ -1,4 +1,5 @@
-// The small per-layer ops of Jitney's CPU forward (engine/models/llama.py), float32, each one pass
+// The small per-layer ops of Jitney's CPU forward (engine/models/llama.py), float32 (the KV pool
+// may hold bfloat16 or float16: rounded as written, widened as read), each one pass
 // over its data. In eager torch each of them is 4-12 ops (a dispatch, an allocation and a pass
 // over memory apiece); at one token per step that dispatch, not arithmetic, is what a layer
 // spends outside its matrix products. The pure-torch definitions are engine/kernels/reference.py.
@@ -14,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -144,6 +147,36 @@ static inline void rotate_head(float* x, const float* cos, const float* sin, int
   }
 }
 
+// The pool's element type for a cache tensor's dtype (refused: any other).
+static KVType kv_type_of(const char* op, const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kFloat:
+      return KVType::kFloat32;
+    case at::kBFloat16:
+      return KVType::kBFloat16;
+    case at::kHalf:
+      return KVType::kFloat16;
+    default:
+      TORCH_CHECK(false, op, ": the caches must hold float32, bfloat16 or float16, not ",
+                  cache.scalar_type());
+  }
+  return KVType::kFloat32;  // (unreachable)
+}
+
+// n floats into a cache slot: float32 as they are, bfloat16 and float16 rounded to nearest even
+// (c10's conversions: what torch's .to(dtype) gives, so every path writes the same bits).
+static void store_row(const float* src, int64_t n, const at::Tensor& cache, int64_t offset) {
+  if (cache.scalar_type() == at::kBFloat16) {
+    c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  } else if (cache.scalar_type() == at::kHalf) {
+    c10::Half* dst = cache.data_ptr<c10::Half>() + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+  } else {
+    std::copy(src, src + n, cache.data_ptr<float>() + offset);
+  }
+}
+
 at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& slots, at::Tensor& key_slots, at::Tensor& value_slots,
                           int64_t num_heads, int64_t num_kv_heads,
@@ -166,10 +199,13 @@ at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T, op,
               ": slots must be int64 [", T, "]");
   for (const at::Tensor* t : {&key_slots, &value_slots}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(1) == KV &&
-                    t->size(2) == D && t->stride(2) == 1 && t->stride(1) == D,
-                op, ": the caches must be float32 [slots, ", KV, ", ", D, "], got ", t->sizes());
+    kv_type_of(op, *t);
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == KV && t->size(2) == D && t->stride(2) == 1 &&
+                    t->stride(1) == D,
+                op, ": the caches must be [slots, ", KV, ", ", D, "], got ", t->sizes());
   }
+  TORCH_CHECK(key_slots.scalar_type() == value_slots.scalar_type(), op,
+              ": K and V caches must hold one dtype");
   for (const auto* n : {&q_norm, &k_norm}) {
     TORCH_CHECK(!n->has_value() || ((*n)->scalar_type() == at::kFloat && (*n)->numel() == D &&
                                     (*n)->is_contiguous()),
@@ -184,8 +220,6 @@ at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at
   at::Tensor qk = at::empty({T, H + KV, D}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   float* dst = qk.data_ptr<float>();
-  float* kc = key_slots.data_ptr<float>();
-  float* vc = value_slots.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   const float e = static_cast<float>(eps);
@@ -203,10 +237,8 @@ at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at
       }
       rotate_head(out, c, s, D);
     }
-    float* k_dst = kc + sp[t] * key_slots.stride(0);
-    float* v_dst = vc + sp[t] * value_slots.stride(0);
-    std::copy(dst + (t * (H + KV) + H) * D, dst + (t + 1) * (H + KV) * D, k_dst);
-    std::copy(row + (H + KV) * D, row + (H + 2 * KV) * D, v_dst);
+    store_row(dst + (t * (H + KV) + H) * D, KV * D, key_slots, sp[t] * key_slots.stride(0));
+    store_row(row + (H + KV) * D, KV * D, value_slots, sp[t] * value_slots.stride(0));
   }
   return qk;
 }
@@ -248,12 +280,13 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.sizes() == q.sizes() && out.stride(2) == 1,
               op, ": out must be float32 shaped like q");
   for (const at::Tensor* t : {&key_cache, &value_cache}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(3) == D &&
-                    t->stride(3) == 1 && t->stride(2) == D,
-                op, ": the caches must be float32 [blocks, block_size, KV, ", D, "]");
+    TORCH_CHECK(t->dim() == 4 && t->size(3) == D && t->stride(3) == 1 && t->stride(2) == D, op,
+                ": the caches must be [blocks, block_size, KV, ", D, "]");
   }
-  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes(),
-              op, ": K and V caches must have one layout");
+  const KVType kv_type = kv_type_of(op, key_cache);
+  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              op, ": K and V caches must have one layout and dtype");
   const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1), KV = key_cache.size(2);
   TORCH_CHECK(H % KV == 0 && H / KV <= kMaxGroup, op, ": ", H, " query heads over ", KV,
               " KV heads (at most ", kMaxGroup, " per KV head)");
@@ -278,8 +311,9 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
   }
   const int64_t G = H / KV;
   const float* qp = q.data_ptr<float>();
-  const float* kp = key_cache.data_ptr<float>();
-  const float* vp = value_cache.data_ptr<float>();
+  const char* kp = static_cast<const char*>(key_cache.data_ptr());
+  const char* vp = static_cast<const char*>(value_cache.data_ptr());
+  const int64_t head_bytes = D * key_cache.element_size();
   float* op_ = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // One task per (sequence, KV head): its G query heads share every key and value read. With
@@ -305,7 +339,8 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
       const int64_t h0 = kh * G + i % tasks_per_kv * heads_per_task;  // first query head
       const int64_t hi = cp[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
-      attend(qp + b * q.stride(0) + h0 * q.stride(1), q.stride(1), kp + kh * D, vp + kh * D,
+      attend(kv_type, qp + b * q.stride(0) + h0 * q.stride(1), q.stride(1), kp + kh * head_bytes,
+             vp + kh * head_bytes,
              tp + b * block_tables.stride(0), bs, key_cache.stride(0), key_cache.stride(1), lo, hi,
              heads_per_task, D, sc, op_ + b * out.stride(0) + h0 * out.stride(1), out.stride(1),
              scores.data());

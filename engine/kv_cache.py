@@ -70,6 +70,18 @@ def kv_storage_dtype(choice: str, model_dtype: torch.dtype, quantized: bool) -> 
     return torch.float16 if quantized and model_dtype == torch.float32 else model_dtype
 
 
+FLOAT16_MAX = torch.finfo(torch.float16).max  # 65,504
+
+
+def to_pool(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V as a pool of `dtype` stores them: rounded to nearest even, and for float16 held
+    within its range (a value past 65,504 would become inf, and every score it meets NaN: a
+    saturated key or value keeps the reply finite). csrc/layer_ops.cpp writes the same bits."""
+    if dtype == torch.float16 and t.dtype != torch.float16:
+        t = t.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+    return t.to(dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     num_layers: int
@@ -182,15 +194,15 @@ class PagedKVCache:
         self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         """Store K/V ``[T, kv_heads, head_dim]`` of T tokens at ``slots`` ``[T]`` of `layer`."""
-        self.key_slots[layer].index_copy_(0, slots, key.to(self.spec.dtype))
-        self.value_slots[layer].index_copy_(0, slots, value.to(self.spec.dtype))
+        self.key_slots[layer].index_copy_(0, slots, to_pool(key, self.spec.dtype))
+        self.value_slots[layer].index_copy_(0, slots, to_pool(value, self.spec.dtype))
 
     def as_read(self, fresh: torch.Tensor) -> torch.Tensor:
         """This step's own K or V as attention reads them back from the pool: rounded to the
         pool's dtype, in the attention's (for a chunk that attends its fresh K/V directly)."""
         spec = self.spec
         if spec.dtype != spec.attention_dtype:
-            fresh = fresh.to(spec.dtype)
+            fresh = to_pool(fresh, spec.dtype)
         return fresh.to(spec.attention_dtype)
 
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from engine.kv_cache import to_pool
+
 BLOCK = 32  # weights per block, along the input dimension
 GROUP = 16  # rows per record: one row per lane of a 16-float vector
 MATRIX_KINDS = ("Q4_1", "Q8_0")  # a matrix's kind in the ops' `kind` argument: its index here
@@ -223,8 +225,8 @@ def rope_write_kv_(
     qk = torch.cat([q, k], dim=1)
     c, s = cos[:, None], sin[:, None]
     qk = qk * c + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * s
-    key_slots[slots] = qk[:, num_heads:].to(key_slots.dtype)  # bf16/fp16: rounded to nearest even
-    value_slots[slots] = v.to(value_slots.dtype)
+    key_slots[slots] = to_pool(qk[:, num_heads:], key_slots.dtype)  # 16-bit: rounded (to_pool)
+    value_slots[slots] = to_pool(v, value_slots.dtype)
     return qk
 
 

@@ -12,6 +12,7 @@ import torch
 from engine.attention.native_decode import native_decode_attention, unavailable_because
 from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
 from engine.kernels import kernel_backend, reference
+from engine.kv_cache import to_pool
 
 native_only = pytest.mark.skipif(
     not kernel_backend().is_native, reason=f"C++ kernels not in use: {kernel_backend().reason}"
@@ -77,10 +78,14 @@ def test_rope_write_kv_matches_its_definition(qk_norms):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_write_kv_rounds_into_a_16_bit_pool_as_torch_does(dtype):
     """`--kv-cache-dtype`: K and V are stored rounded to nearest even, the bits torch's
-    .to(dtype) gives (so the Python path's writes and the kernel's agree), nothing else written."""
+    .to(dtype) gives (so the Python path's writes and the kernel's agree), float16 saturated at
+    its largest value rather than inf (which would make every score it meets NaN), nothing else
+    written."""
     g = _gen(5)
     heads, kv_heads, d, tokens, num_slots = 9, 3, 64, 5, 30
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 3
+    qkv[0, (heads + kv_heads) * d :: 7] = 1e6  # values past float16's range, both signs
+    qkv[1, (heads + kv_heads) * d :: 5] = -3e5
     angles = torch.rand(tokens, d // 2, generator=g) * 50
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     slots = torch.randperm(num_slots, generator=g)[:tokens]
@@ -89,8 +94,14 @@ def test_rope_write_kv_rounds_into_a_16_bit_pool_as_torch_does(dtype):
     qk = ops.rope_write_kv_(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, None, None, 0)
     assert qk.dtype == torch.float32  # Q and K leave in float32: attention computes in it
     v = qkv.view(tokens, -1, d)[:, heads + kv_heads :]
-    assert torch.equal(v_cache[slots], v.to(dtype))
-    assert torch.equal(k_cache[slots], qk[:, heads:].to(dtype))
+    assert torch.equal(v_cache[slots], to_pool(v, dtype))
+    assert torch.equal(k_cache[slots], to_pool(qk[:, heads:], dtype))
+    assert v_cache.isfinite().all() and k_cache.isfinite().all()
+    if dtype == torch.float16:
+        assert v_cache[slots[0]].max().item() == 65504 and v_cache[slots[1]].min().item() == -65504
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    reference.rope_write_kv_(qkv, cos, sin, slots, ref_k, ref_v, heads, kv_heads, None, None, 0)
+    assert torch.equal(ref_k, k_cache) and torch.equal(ref_v, v_cache)
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()

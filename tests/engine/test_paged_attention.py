@@ -328,6 +328,20 @@ def test_pool_allocation_stays_within_budget() -> None:
         PagedKVCache.from_budget(spec, spec.bytes_per_block - 1)
 
 
+def test_a_float16_pool_saturates_what_it_cannot_hold() -> None:
+    """Python's writes and a first chunk's fresh K/V hold a float16 pool's values within its
+    range, as the C++ write does: 65,504, not inf (whose scores would be NaN)."""
+    spec = KVCacheSpec(1, 1, 4, torch.float16, 2, compute_dtype=torch.float32)
+    cache = PagedKVCache(spec, 2)
+    big = torch.tensor([[[1e6, -1e6, 1.0, float("nan")]]])
+    cache.write(0, torch.tensor([3]), big, -big)
+    want = torch.tensor([65504.0, -65504.0, 1.0, float("nan")])
+    torch.testing.assert_close(cache.key_slots[0][3, 0].float(), want, equal_nan=True)
+    torch.testing.assert_close(cache.as_read(big)[0, 0], want, equal_nan=True)
+    bf16 = PagedKVCache(dataclasses.replace(spec, dtype=torch.bfloat16), 2)
+    assert bf16.as_read(big)[0, 0, 0].item() == torch.tensor(1e6).bfloat16().item()
+
+
 def test_num_blocks_for_budget_math() -> None:
     """Blocks = floor(budget / (2 x layers x kv_heads x head_dim x dtype size x block_size))."""
     spec = KVCacheSpec(

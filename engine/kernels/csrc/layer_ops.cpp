@@ -164,14 +164,16 @@ static KVType kv_type_of(const char* op, const at::Tensor& cache) {
 }
 
 // n floats into a cache slot: float32 as they are, bfloat16 and float16 rounded to nearest even
-// (c10's conversions: what torch's .to(dtype) gives, so every path writes the same bits).
+// (c10's conversions: what torch's .to(dtype) gives, so every path writes the same bits), float16
+// held within its range as engine/kv_cache.py to_pool holds it (inf would make scores NaN).
 static void store_row(const float* src, int64_t n, const at::Tensor& cache, int64_t offset) {
   if (cache.scalar_type() == at::kBFloat16) {
     c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + offset;
     for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
   } else if (cache.scalar_type() == at::kHalf) {
+    constexpr float kMax = 65504.0f;
     c10::Half* dst = cache.data_ptr<c10::Half>() + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(std::min(std::max(src[i], -kMax), kMax));
   } else {
     std::copy(src, src + n, cache.data_ptr<float>() + offset);
   }

@@ -106,13 +106,16 @@ def sample_rows(
 ) -> StepResult:
     """The step's sampled token per sequence, and what the requests asked beside it."""
     reqs = rows.reqs
+    every_row = logits
     prompt_logits, draft_logits = _extra_logits(plan, rows, logits[len(reqs) :])
     logits = logits[: len(reqs)]
     if rows.prompt_rows:
         collect_prompt_logprobs(plan, rows.prompt_rows, prompt_logits, choices)
     picks = rows.picks
     if rows.draft_rows:  # the draft rows are picked with the sampling rows, each as its own
-        logits = torch.cat([logits, draft_logits])
+        # Without prompt rows the forward's rows are already these, in this order; a copy of
+        # them (a fresh 1.5 MB for SmolLM2's 8 rows) page-faults every step: 0.2 ms measured.
+        logits = every_row if not rows.prompt_rows else torch.cat([logits, draft_logits])
     params = picks.params()
     if any(p.adjusts_logits for p in params):
         logits = adjust_logits(logits, params, picks.histories())

@@ -59,7 +59,10 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
     )
     logger.info("forward: %s", forward_name)
     spec = kv_cache_spec(config, loaded, forward_name)
-    logger.info("KV cache: %s (attention in %s)", spec.dtype, spec.attention_dtype)
+    logger.info(
+        "KV cache: %s (attention in %s)",
+        *(str(d).removeprefix("torch.") for d in (spec.dtype, spec.attention_dtype)),
+    )
     use_graphs = device.type == "cuda" and not config.enforce_eager
     decode_kernel, why_not = decode_attention_for(config, device, model, spec)
     step_peak = None

@@ -107,6 +107,11 @@ class EngineView:
         return self._engine.block_manager.num_blocks
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """What the pool stores ("float16", ...: `--kv-cache-dtype` resolved)."""
+        return str(self._engine.kv_cache.spec.dtype).removeprefix("torch.")
+
+    @property
     def kv_free_blocks(self) -> int:
         return self._engine.block_manager.num_free_blocks
 

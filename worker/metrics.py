@@ -131,6 +131,13 @@ class WorkerMetrics:
         self.kv_usage = gauge("jitney_kv_cache_usage_ratio", "Used KV blocks / total (0..1)")
         self.kv_free = gauge("jitney_kv_blocks_free", "Free KV blocks (cached ones included)")
         self.kv_total = gauge("jitney_kv_blocks_total", "KV blocks in the pool")
+        self._engine_info = Gauge(
+            "jitney_engine_info",
+            "1, labelled with how the worker's engine runs: its forward (weights), the KV "
+            "cache's dtype and block size",
+            (*LABELS, "forward", "kv_cache_dtype", "block_size"),
+            registry=r,
+        )
         self.preemptions = counter("jitney_preemptions", "Sequences preempted (recompute)")
         self.preempted_tokens = counter(
             "jitney_preempted_tokens", "Computed tokens preemptions threw away (recomputed later)"
@@ -286,6 +293,15 @@ class WorkerMetrics:
 
     def observe_publish(self, seconds: float) -> None:
         self._phase[PUBLISH].observe(seconds)
+
+    def describe_engine(self, forward: str, kv_cache_dtype: str, block_size: int) -> None:
+        """Set once at start: what a dashboard shows beside the pool's gauges."""
+        self._engine_info.labels(
+            **self._labels,
+            forward=forward,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=str(block_size),
+        ).set(1)
 
     def set_state(
         self, running: int, waiting: int, kv_usage: float, free_blocks: int, total_blocks: int

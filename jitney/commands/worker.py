@@ -190,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     )
     card.embedding_size = engine.embedding_size  # /v1/embeddings checks `dimensions` by it
     metrics = WorkerMetrics(served, worker_id)
+    view = engine.view
+    metrics.describe_engine(view.forward_name, view.kv_cache_dtype, view.block_size)
     try:
         port = metrics.serve(args.metrics_port, vllm_names=args.vllm_metrics)
     except OSError as e:  # the port is taken: say which, no traceback

@@ -244,6 +244,9 @@ def test_metrics_agree_with_what_was_served(stack, replies):
         assert delta[n] == 4, n
     assert worker.metric("jitney_requests_finished_total", reason="length") - length_before == 4
     assert worker.metric("jitney_kv_blocks_total") == 2048
+    # How the engine runs, for dashboards: the tiny dense model keeps float32 K/V.
+    engine_info = {"forward": "jitney-none", "kv_cache_dtype": "float32", "block_size": "16"}
+    assert worker.metric("jitney_engine_info", **engine_info) == 1
     assert worker.metric("jitney_batch_size_count") > 0
     assert worker.metric("jitney_step_duration_seconds_count") > 0
     labels = {"model": MODEL, "worker": "w1"}

@@ -61,10 +61,10 @@ def kv_storage_dtype(choice: str, model_dtype: torch.dtype, quantized: bool) -> 
     (`quantized`: GGUF's or int8's, on the CPU), else the model's dtype.
 
     NOTE: why float16 there (docs/performance.md, SmolLM2 on 2 cores): half the bytes of every
-    decode step's K/V read, so one user's step at 4,000 positions took 22 ms against 33 and a
-    64-request trace ran 4-8% faster; twice the tokens per budget; perplexity -0.005% (bfloat16:
-    +0.02%, its 8-bit mantissa). llama.cpp's default KV type is the same. The exact mode
-    (`--quantization none`) keeps the model's dtype."""
+    decode step's K/V read, so one user's step at 4,000 positions took 23.1-23.7 ms against
+    32.4-33.8 (`python -m bench.kv_dtype`) and mixed-64 ran 4% faster; twice the tokens per
+    budget; perplexity -0.005% (bfloat16: +0.02%, its 8-bit significand). llama.cpp's default
+    KV type is the same. The exact mode (`--quantization none`) keeps the model's dtype."""
     if choice != "auto":
         return getattr(torch, choice)
     return torch.float16 if quantized and model_dtype == torch.float32 else model_dtype

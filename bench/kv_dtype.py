@@ -34,8 +34,23 @@ class Timing:
         return statistics.median(self.ms_per_token)
 
 
-def decode_ms_per_token(engine, prompt: list[int], tokens: int) -> float:
-    """ms per token of one greedy request's decode steps after its first token."""
+@dataclass(frozen=True, slots=True)
+class Decode:
+    """One request's decode steps after its first token, timed."""
+
+    seconds: float  # from the first token to the last step's end
+    tokens: int
+    # The step that ends the last request also checks the idle pool, O(its blocks): timed on its
+    # own by the engine (Engine.last_idle_check_s) and no part of decoding.
+    idle_check_s: float
+
+    @property
+    def ms_per_token(self) -> float:
+        return (self.seconds - self.idle_check_s) * 1000 / self.tokens
+
+
+def decode(engine, prompt: list[int], tokens: int) -> Decode:
+    """One greedy request of `tokens` tokens (EOS ignored) to its end, its decode timed."""
     from generation.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -47,8 +62,7 @@ def decode_ms_per_token(engine, prompt: list[int], tokens: int) -> float:
                 start, produced = time.perf_counter(), -len(out.new_token_ids)
             produced += len(out.new_token_ids)
     assert start is not None and produced > 0
-    # The step that ends the last request also checks the idle pool, O(its blocks): not decode.
-    return (time.perf_counter() - start - engine.last_idle_check_s) * 1000 / produced
+    return Decode(time.perf_counter() - start, produced, engine.last_idle_check_s)
 
 
 def run(
@@ -87,7 +101,7 @@ def run(
     for r in range(rounds + 1):
         for c in contexts:
             for d in dtypes:
-                ms = decode_ms_per_token(engines[d], ids[:c], tokens)
+                ms = decode(engines[d], ids[:c], tokens).ms_per_token
                 if r:  # round 0 warms every path up
                     times[(d, c)].append(ms)
     return [Timing(d, c, times[(d, c)]) for c in contexts for d in dtypes]

@@ -38,8 +38,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     # KV cache budget in bytes ("2GiB"). None: on CUDA a fraction of free memory, on CPU 1GiB.
     kv_cache_memory: str | None = None
-    # What the KV pool stores (vLLM's --kv-cache-dtype): "auto", the model's dtype; "bfloat16" or
-    # "float16" halve a float32 model's K/V bytes (engine/kv_cache.py; docs/performance.md).
+    # What the KV pool stores (vLLM's --kv-cache-dtype): "float32", "bfloat16" or "float16";
+    # "auto", float16 beside quantized weights on the CPU, else the model's dtype
+    # (engine/kv_cache.py kv_storage_dtype; docs/performance.md).
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     block_size: int = 16

@@ -3,8 +3,9 @@
 Three sections, each recorded even when another fails (results.json + results.md in OUT_DIR):
 1. correctness: on random:tiny, the engine's greedy tokens against transformers (the near-tie
    rule of bench/parity.py) with requests joining mid-run, chunked prefill and a KV pool small
-   enough to force preemption; fp32. Then bf16: the share of requests whose first 32 tokens
-   equal the fp32 run's. And the host syncs of a sampled step's sampler (CUDA only).
+   enough to force preemption; fp32, with n-gram speculation (the default) and without. Then
+   bf16: the share of requests whose first 32 tokens equal the fp32 run's. And the host syncs of
+   a sampled step's sampler (CUDA only).
 2. decode: random:llama-3.1-8b in bf16, every sequence decoding with a 512-token context, at
    batch 1..256: ms per step, eager and with CUDA graphs, next to the weight-read bound (weight
    bytes over the device bandwidth, measured first with a large copy); the decode attention
@@ -48,10 +49,11 @@ from engine.llm_engine import Engine
 from engine.models.model_loader import LoadedModel, describe_loaded, load_model
 from engine.models.random_models import RANDOM_PREFIX, build_random_model, random_model_config
 from engine.sampler import TokenHistory, adjust_logits, sample, with_seed
-from engine.step_timing import sync_device
+from engine.step_timing import StepTiming, sync_device
 from generation.sampling_params import SamplingParams
 
 BF16_AGREEMENT_TOKENS = 32
+ROOT = Path(__file__).resolve().parents[1]  # the repository: sync sites are named within it
 # Small shapes for --device cpu: the family's layout (GQA, RoPE type, real vocabulary), shrunk.
 SMALL = {
     "hidden_size": 64,
@@ -175,7 +177,7 @@ def _run_joining(engine: Engine, requests: list[tuple[list[int], int]]) -> list[
     return [outputs[str(i)] for i in range(len(requests))]
 
 
-def _small_pool_engine(loaded: LoadedModel, num_blocks: int) -> Engine:
+def _small_pool_engine(loaded: LoadedModel, num_blocks: int, speculative: str = "auto") -> Engine:
     block_size = 16
     config = EngineConfig(
         model=loaded.name,
@@ -184,22 +186,32 @@ def _small_pool_engine(loaded: LoadedModel, num_blocks: int) -> Engine:
         block_size=block_size,
         max_num_seqs=6,
         max_num_batched_tokens=32,
+        speculative=speculative,
     )
     return Engine(config, loaded=loaded)
 
 
 def check_correctness(device: torch.device) -> dict[str, Any]:
+    """fp32 greedy against transformers with speculation (auto: n-gram) and without, each under
+    the near-tie rule; a failure's key names the run ("3" with speculation, "3 plain" without)."""
     requests = _correctness_requests()
     ref = load_model(f"{RANDOM_PREFIX}tiny", device, torch.float32)  # transformers' attention
-    engine = _small_pool_engine(load_model(f"{RANDOM_PREFIX}tiny", device, torch.float32), 20)
-    fp32 = _run_joining(engine, requests)
-    preemptions = engine.stats.num_preemptions_total
+    wants = [reference_greedy(ref, prompt, n) for prompt, n in requests]
+    runs: dict[str, list[list[int]]] = {}
+    stats = {}
+    for label, speculative in (("", "auto"), (" plain", "none")):
+        fp32_model = load_model(f"{RANDOM_PREFIX}tiny", device, torch.float32)
+        engine = _small_pool_engine(fp32_model, 20, speculative)
+        runs[label] = _run_joining(engine, requests)
+        stats[label] = engine.stats
+    fp32, plain = runs[""], runs[" plain"]
     failures, exact = {}, 0
-    for i, ((prompt, n), got) in enumerate(zip(requests, fp32, strict=True)):
-        want = reference_greedy(ref, prompt, n)
-        exact += got == want
-        if (why := greedy_parity_failure(ref, prompt, got, want)) is not None:
-            failures[str(i)] = why
+    for label, outputs in runs.items():
+        for i, ((prompt, _), got, want) in enumerate(zip(requests, outputs, wants, strict=True)):
+            exact += not label and got == want
+            if (why := greedy_parity_failure(ref, prompt, got, want)) is not None:
+                failures[f"{i}{label}"] = why
+    preemptions = stats[""].num_preemptions_total
     bf16_engine = _small_pool_engine(load_model(f"{RANDOM_PREFIX}tiny", device, torch.bfloat16), 20)
     bf16 = _run_joining(bf16_engine, requests)
     k = BF16_AGREEMENT_TOKENS
@@ -210,8 +222,13 @@ def check_correctness(device: torch.device) -> dict[str, Any]:
         "exact_match_generate": exact,
         "near_tie_failures": failures,
         "preemptions": preemptions,
+        "speculation": {
+            "draft_tokens": stats[""].num_draft_tokens_total,
+            "accepted_tokens": stats[""].num_accepted_tokens_total,
+            "equal_to_plain": sum(a == b for a, b in zip(fp32, plain, strict=True)),
+        },
         "bf16_first_32_agreement": agree / len(requests),
-        "sampling_host_syncs": count_sampling_syncs(device),
+        "sampling_host_syncs": sampling_sync_sites(device),
     }
 
 
@@ -219,6 +236,12 @@ def count_sampling_syncs(device: torch.device) -> int | None:
     """Host syncs one sampled step's sampler makes (temperature, top-k, top-p, penalties, bias,
     min_tokens) on a CUDA device, by torch's sync debug mode; None elsewhere. One is the
     transfer of the sampled ids back; any more make the host wait on the device mid-step."""
+    sites = sampling_sync_sites(device)
+    return None if sites is None else len(sites)
+
+
+def sampling_sync_sites(device: torch.device) -> list[str] | None:
+    """count_sampling_syncs's syncs, each as the file:line that made it."""
     if device.type != "cuda":
         return None
     rows, vocab = 8, 32000
@@ -238,15 +261,32 @@ def count_sampling_syncs(device: torch.device) -> int | None:
         for i in range(rows)
     ]
     histories = [TokenHistory([1, 2, 3], [4, 5], (2,)) for _ in range(rows)]
+    sites: list[str] = []
+
+    def record(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+        if "synchroniz" in str(message):  # where in the repository, and where in torch if not
+            stack = [f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__]
+            ours = [f for f in stack if f.filename.startswith(str(ROOT)) and f.name != "record"]
+            where = [_site(f) for f in (ours[-1:] + stack[-1:])] if ours else [_site(stack[-1])]
+            sites.append(" via ".join(dict.fromkeys(where)))
+
     torch.cuda.synchronize(device)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
+        start = len(sites)  # switching the mode on can warn too (seen on torch 2.11): not counted
         try:
             sample(adjust_logits(logits, params, histories), params, [2] * rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sites[start:]
+
+
+def _site(frame: traceback.FrameSummary) -> str:
+    path = Path(frame.filename)
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    return f"{shown}:{frame.lineno} ({frame.name})"
 
 
 # ----- 2. decode step ---------------------------------------------------------------------------
@@ -312,12 +352,13 @@ def _decode_step_ms(
     while len(started) < batch:  # prefill everyone (and one warm decode step)
         started.update(out.request_id for out in engine.step() if out.new_token_ids)
     engine.step()
-    step_s = forward_s = 0.0
+    step_s = 0.0
+    phases = StepTiming()
     for _ in range(steps - 1):
         start = time.perf_counter()
         rows = sum(bool(out.new_token_ids) for out in engine.step())
         step_s += time.perf_counter() - start
-        forward_s += engine.last_step_timing.forward
+        phases.add(engine.last_step_timing)
         if rows != batch:
             raise RuntimeError(f"a timed step of batch {batch} decoded {rows} rows")
     n = steps - 1
@@ -331,7 +372,9 @@ def _decode_step_ms(
     return {
         "forward": forward_name,  # which model path ran ("jitney-none": Jitney's own forward)
         "step_ms": 1000 * step_s / n,
-        "forward_ms": 1000 * forward_s / n,
+        "forward_ms": 1000 * phases.forward / n,
+        # Where the step goes (engine/step_timing.py), each phase's mean ms.
+        "phases_ms": {name: 1000 * t / n for name, t in phases.as_dict().items()},
         "graphed": graphed,
         "graph_failure": failure,
         "decode_attention": attention,
@@ -443,6 +486,7 @@ def _decode_row(
         "kernel_unused_because": eager["kernel_unused_because"],
         "eager_step_ms": eager["step_ms"],
         "eager_forward_ms": eager["forward_ms"],
+        "eager_phases_ms": eager["phases_ms"],
         "contexts": eager["contexts"],  # the shortest and longest after the timed steps
         "cuda_graph_step_ms": None,
         "gather_step_ms": None,
@@ -454,6 +498,7 @@ def _decode_row(
     if not graphed["graphed"]:
         return row, graphed["graph_failure"]
     row["cuda_graph_step_ms"] = graphed["step_ms"]
+    row["cuda_graph_phases_ms"] = graphed["phases_ms"]
     row["step_over_bound"] = graphed["step_ms"] / bound_ms
     row["graph_saving"] = 1 - graphed["step_ms"] / eager["step_ms"]
     return row, None
@@ -477,14 +522,15 @@ def check_mixed(device: torch.device, profile: Profile, report: Report) -> dict[
         "output_tokens": sum(r.output_len for r in requests),
         "runs": {},
     }
+    # Jitney first, transformers' continuous batching (whose speed is least known) last: a run
+    # cut short by its time limit keeps what was measured before.
+    _record_mixed(section, "jitney-continuous", _mixed_jitney(device, profile, requests), report)
+    _free(device)  # the engine built its own model (and patched it); the baselines get another
     ref = build_loaded(profile.mixed_model, device, profile)  # left on transformers' attention
     generate = partial(run_hf_generate, ref, requests, profile.hf_batch_size)
     _record_mixed(section, "hf-generate", _attempt(generate), report)
     # transformers' own defaults only: one run (its candidate search would cost minutes).
     _record_mixed(section, "hf-cb", _attempt(partial(best_hf_cb, ref, requests, [{}])), report)
-    del ref, generate  # the engine builds its own model (and patches it)
-    _free(device)
-    _record_mixed(section, "jitney-continuous", _mixed_jitney(device, profile, requests), report)
     return section
 
 
@@ -495,7 +541,7 @@ def _record_mixed(section: dict[str, Any], name: str, run: RunResult | str, repo
         runs[name] = {"error": run}
     else:
         runs[name] = {"tokens_per_s": run.tokens_per_s, "wall_s": run.wall_s}
-        for key in ("decode_attention", "cuda_graphs"):
+        for key in ("decode_attention", "cuda_graphs", "spec_draft_tokens", "spec_acceptance"):
             if key in run.extra:
                 runs[name][key] = run.extra[key]
     jitney = runs.get("jitney-continuous", {}).get("tokens_per_s")
@@ -633,10 +679,26 @@ def _md_correctness(c: dict[str, Any]) -> list[str]:
         f"- greedy vs transformers `generate`, fp32, near-tie rule: "
         f"{'**pass**' if c['passed'] else '**FAIL**'} ({c['requests']} requests, "
         f"{c['exact_match_generate']} token-for-token equal, {c['preemptions']} preemptions)",
+        _md_speculation(c.get("speculation")),
         f"- bf16 first-32-token agreement with fp32: {100 * c['bf16_first_32_agreement']:.0f} %",
-        f"- host syncs in a sampled step's sampler: {c.get('sampling_host_syncs', '-')} "
+        f"- host syncs in a sampled step's sampler: {_md_syncs(c.get('sampling_host_syncs'))} "
         "(1 is the sampled ids' transfer)",
     ]
+
+
+def _md_syncs(sites: list[str] | None) -> str:
+    if sites is None:
+        return "-"
+    return f"{len(sites)}" + (f" ({', '.join(sites)})" if sites else "")
+
+
+def _md_speculation(spec: dict[str, int] | None) -> str:
+    if spec is None:
+        return "- speculation: not measured"
+    return (
+        f"- n-gram speculation (the default) against none: {spec['equal_to_plain']} replies "
+        f"equal; {spec['accepted_tokens']} of {spec['draft_tokens']} draft tokens kept"
+    )
 
 
 def _md_decode(d: dict[str, Any]) -> list[str]:
@@ -671,11 +733,36 @@ def _md_decode(d: dict[str, Any]) -> list[str]:
     for r in d["small_model_rows"]:
         saving = r.get("graph_saving")
         lines.append(_md_decode_row(r, "-" if saving is None else f"{100 * saving:.0f} %"))
+    lines += _md_phases(
+        [(str(r["batch"]), r) for r in d["rows"]]
+        + [(f"{r['batch']}, {d['small_model']}", r) for r in d["small_model_rows"]]
+    )
     for error in d.get("errors", ()):
         lines += ["", f"error: `{error}`"]
     if d.get("skipped"):
         skipped = ", ".join(d["skipped"])
         lines += ["", f"Not measured, past the decode section's time budget: {skipped}."]
+    return lines
+
+
+def _md_phases(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Where each (label, row)'s fastest step went, phase by phase (engine/step_timing.py)."""
+    timed = [
+        (label, r.get("cuda_graph_phases_ms") or r.get("eager_phases_ms")) for label, r in rows
+    ]
+    timed = [(label, phases) for label, phases in timed if phases]
+    if not timed:
+        return []
+    names = [n for n in timed[0][1] if any(phases[n] for _, phases in timed)]
+    lines = [
+        "",
+        "Where the step goes, ms (with CUDA graphs where they ran; forward waits for its kernels):",
+        "",
+        "| batch | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for label, phases in timed:
+        lines.append(f"| {label} | " + " | ".join(f"{phases[n]:.2f}" for n in names) + " |")
     return lines
 
 
@@ -706,7 +793,14 @@ def _md_mixed(m: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Jitney: decode attention {jitney['decode_attention']}, "
-            f"CUDA graphs {jitney.get('cuda_graphs')}.",
+            f"CUDA graphs {jitney.get('cuda_graphs')}, "
+            f"{jitney.get('spec_draft_tokens', 0)} draft tokens verified"
+            + (
+                ""
+                if jitney.get("spec_acceptance") is None
+                else f" ({100 * jitney['spec_acceptance']:.0f} % kept)"
+            )
+            + ".",
         ]
     return lines
 

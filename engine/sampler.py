@@ -156,7 +156,9 @@ def adjust_logits(
     ]
     if held:
         r, t = zip(*held, strict=True)
-        x[device_tensor(r, device), device_tensor(t, device)] = float("-inf")
+        # A tensor made on the device: a Python float here is copied from the host, a sync.
+        where = (device_tensor(r, device), device_tensor(t, device))
+        x.index_put_(where, x.new_full((), float("-inf")))
     return logits.float().index_copy(0, index, x)
 
 

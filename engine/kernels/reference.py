@@ -145,14 +145,11 @@ def sample_rows(
     """[N, V] logits (temperature applied) -> int64 [N]: each row's top-k cut (0: none), then
     its top-p cut (>= 1: none), and the first token whose cumulative mass exceeds u times the
     kept mass (u in [0, 1), one per row)."""
-    vocab = x.shape[1]
-    cut_k = (top_k > 0) & (top_k < vocab)
-    cut_p = top_p < 1
-    x = x.clone()
-    # Rows with a top-k cut need only their k largest logits; top-p alone needs a full sort.
-    for rows in ((cut_k).nonzero().flatten(), (cut_p & ~cut_k).nonzero().flatten()):
-        if rows.numel():
-            x[rows] = _cut(x[rows], top_k[rows], top_p[rows])
+    x = (
+        cut_asking_rows(x, top_k, top_p)
+        if x.device.type == "cpu"
+        else cut_every_row(x, top_k, top_p)
+    )
     cdf = x.softmax(dim=-1).cumsum_(dim=-1)
     total = cdf[:, -1:]
     # Strictly below the total, so the first token whose mass exceeds it has p > 0.
@@ -160,21 +157,51 @@ def sample_rows(
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _cut(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def cut_asking_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`x` with each row's top-k and top-p cuts (`_cut`), made only on the rows that ask:
+    rows with a top-k cut order only their k largest logits; top-p alone needs a full sort.
+    It reads values back to the host (which rows, the largest k): free on the CPU."""
+    vocab = x.shape[1]
+    cut_k = (top_k > 0) & (top_k < vocab)
+    x = x.clone()
+    for rows in (cut_k.nonzero().flatten(), ((top_p < 1) & ~cut_k).nonzero().flatten()):
+        if rows.numel():
+            x[rows] = _cut(x[rows], top_k[rows], top_p[rows])
+    return x
+
+
+def cut_every_row(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """cut_asking_rows's result without reading any value back to the host: on a GPU each read
+    would wait for the step's whole forward. Every row is cut over a full sort, and the cut is
+    kept on the rows that ask."""
+    vocab = x.shape[1]
+    asks = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    return torch.where(asks.unsqueeze(1), _cut(x, top_k, top_p, largest=vocab), x)
+
+
+def _cut(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, largest: int | None = None
+) -> torch.Tensor:
     """Rows of logits with cut tokens at -inf. top-k keeps the k largest, top-p then the fewest
     of those, largest first, whose mass reaches top_p (the top token always stays). The cut is
     a logit threshold, so tokens tied with the last one kept stay too, and the sort order of
-    ties does not matter."""
+    ties does not matter. `largest`: how many of each row's largest to order (None: the largest
+    k, read from `top_k`)."""
     vocab = x.shape[1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab) - 1  # the k-th largest's index
-    largest = int(k.max()) + 1
+    if largest is None:
+        largest = int(k.max()) + 1
     if largest < vocab:
         ordered = x.topk(largest, dim=-1).values
     else:
         ordered = x.sort(dim=-1, descending=True).values
     kth = ordered.gather(1, k.unsqueeze(1))
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = ordered.softmax(dim=-1)
+    # The mass is over every survivor of top-k, the tokens tied with the k-th that fall past
+    # `largest` included (the C++ kernel's kept mass): a softmax of `ordered` would drop them.
+    top = ordered[:, :1]
+    total = (x - top).exp().masked_fill(x < kth, 0).sum(dim=-1, keepdim=True)
+    probs = (ordered - top).exp() / total
     # top_p 1 is no cut: float mass can reach 1 before the last tokens and must not drop them.
     mass = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf"))).unsqueeze(1)
     keep = (probs.cumsum(dim=-1) - probs < mass) & (ordered > float("-inf"))

@@ -150,7 +150,8 @@ class LlamaForward(nn.Module):
         # Tied embeddings (SmolLM2, Llama 3.2, Qwen3 small): the head multiplies by the table.
         tied = getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight")
         self.lm_head = weights.linear(["model.embed_tokens" if tied else "lm_head"])
-        self.rotary = Rotary(config)
+        # Built on the CPU like any new module: moved to where the weights are (a GPU's).
+        self.rotary = Rotary(config).to(self.norm.device)
         self.dtype = weights.dtype
         if fused_ops and self.dtype != torch.float32:
             raise ValueError(f"the jitney:: layer ops run in float32, not {self.dtype}")

@@ -72,6 +72,10 @@ def test_the_cpu_run_checks_correctness_and_writes_every_section(plain_copy, tmp
     correctness = results["correctness"]
     assert correctness["passed"] and not correctness["near_tie_failures"]
     assert correctness["preemptions"] > 0  # the small pool really forced preemption
+    # Speculation (on by default) drafted and kept tokens, and gave the plain run's replies.
+    spec = correctness["speculation"]
+    assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert spec["equal_to_plain"] == correctness["requests"]
     assert 0 <= correctness["bf16_first_32_agreement"] <= 1
     assert correctness["sampling_host_syncs"] is None  # counted on CUDA only
     decode, runs = results["decode"], results["mixed"]["runs"]
@@ -81,6 +85,11 @@ def test_the_cpu_run_checks_correctness_and_writes_every_section(plain_copy, tmp
     assert all(64 < row["contexts"][0] <= row["contexts"][1] for row in decode["rows"])
     assert decode["weight_read_bound_ms"] > 0 and decode["bandwidth_gb_s"] > 0
     assert all(row["eager_step_ms"] >= row["eager_forward_ms"] > 0 for row in decode["rows"])
+    # The phases add up to the step (the engine's laps cover it, less the loop's own calls).
+    for row in decode["rows"]:
+        phases = row["eager_phases_ms"]
+        assert phases["forward"] == row["eager_forward_ms"]
+        assert 0.8 * row["eager_step_ms"] < sum(phases.values()) <= row["eager_step_ms"]
     # Jitney's own Llama-family forward, dense (the random models have no GGUF file)
     assert {row["forward"] for row in decode["rows"]} == {"jitney-none"}
     # auto, on a CPU: the native in-place kernel where the C++ kernels built
@@ -91,6 +100,7 @@ def test_the_cpu_run_checks_correctness_and_writes_every_section(plain_copy, tmp
     assert results["environment"]["torch"]
     table = (out / "results.md").read_text()
     assert "| batch | context |" in table and "| jitney-continuous |" in table
+    assert "| batch | schedule | prepare | forward | sample | postprocess |" in table
 
 
 def test_the_decode_section_with_the_triton_kernel_measures_the_gather_path_beside_it(

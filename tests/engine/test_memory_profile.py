@@ -47,6 +47,9 @@ def test_on_cuda_the_peak_is_measured_and_the_cache_takes_the_rest():
     loaded = load_model("tiny-random", "cuda")
     peak = step_peak_bytes(_forward(loaded), loaded.model.device, _spec(loaded), 2048, 256)
     assert peak is not None and 0 < peak < torch.cuda.get_device_properties(0).total_memory
-    engine = Engine(EngineConfig(model="tiny-random", device="cuda"), loaded=loaded)
+    # A tenth of the card: at 0.9 of an H200, tiny-random's 512 bytes a token make 15 million
+    # blocks, whose bookkeeping alone takes minutes to build (seen on a lent H200).
+    config = EngineConfig(model="tiny-random", device="cuda", gpu_memory_utilization=0.1)
+    engine = Engine(config, loaded=loaded)
     total = torch.cuda.get_device_properties(0).total_memory
-    assert engine.capacity.budget_bytes <= 0.9 * total
+    assert 0 < engine.capacity.budget_bytes <= 0.1 * total

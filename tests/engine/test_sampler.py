@@ -335,12 +335,13 @@ def test_logprobs_reflect_penalties_and_bias_not_temperature():
 def test_the_cpp_draws_are_the_references():
     """jitney::sample_rows in C++ (the nucleus sorted only as far as needed, sums in double)
     draws the token the torch reference does, row by row, across top-k, top-p, both and neither,
-    peaked and flat rows; argmax_rows is torch.argmax, NaN and ties included."""
+    peaked and flat rows, and tied logits; argmax_rows is torch.argmax, NaN and ties included."""
     gen = torch.Generator().manual_seed(7)
     for _ in range(30):
         n, vocab = 64, 3000
         scale = 0.3 + 8 * torch.rand(n, 1, generator=gen)
         x = torch.randn(n, vocab, generator=gen) * scale
+        x[:8] = x[:8].round()  # ties, past the k-th too (bf16 logits tie often)
         top_k = torch.randint(0, 80, (n,), generator=gen) * (torch.rand(n, generator=gen) < 0.5)
         top_p = torch.where(
             torch.rand(n, generator=gen) < 0.6, torch.rand(n, generator=gen), torch.ones(n)
@@ -357,3 +358,21 @@ def test_the_cpp_draws_are_the_references():
     assert torch.ops.jitney.argmax_rows(late_nan).tolist() == [30]
     with pytest.raises(RuntimeError, match="sample_rows: top_k must be"):
         torch.ops.jitney.sample_rows(x, top_k.int(), top_p, u)
+
+
+def test_the_gpu_cut_of_every_row_is_the_cpu_cut_of_the_rows_that_ask():
+    """Off the CPU, sample_rows cuts every row over a full sort and keeps the cut where a row
+    asks (no host read, which a GPU pays with a wait for the whole forward); the CPU cuts only
+    the rows that ask, at k's width. Same logits out, across top-k, top-p, both and neither,
+    peaked and flat rows, and ties."""
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(20):
+        n, vocab = 48, 700
+        x = torch.randn(n, vocab, generator=gen) * (0.3 + 8 * torch.rand(n, 1, generator=gen))
+        x[:4] = x[:4].round()  # ties at the cut
+        top_k = torch.randint(0, 60, (n,), generator=gen) * (torch.rand(n, generator=gen) < 0.5)
+        top_p = torch.where(
+            torch.rand(n, generator=gen) < 0.6, torch.rand(n, generator=gen), torch.ones(n)
+        )
+        want = reference.cut_asking_rows(x, top_k, top_p)
+        assert torch.equal(reference.cut_every_row(x, top_k, top_p), want)

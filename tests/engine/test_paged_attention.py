@@ -169,7 +169,11 @@ def test_a_16_bit_pool_gives_every_path_the_same_rounded_keys(dtype, decode_kern
             done += n
         runs.append(torch.cat(logits))
     assert cache.spec.bytes_per_block * 2 == make_cache(paged.config).spec.bytes_per_block
-    assert (runs[0] - runs[1]).abs().max().item() < 1e-5
+    # Not bit for bit: chunks of other lengths project K/V with other matmul shapes, whose
+    # float32 sums can round differently, and now and then that moves a value across a
+    # bfloat16 rounding boundary (1.6e-5 in the logits on a Zen 3; under 1e-5 on a Xeon). A
+    # first chunk attending unrounded K/V differs by 6e-4.
+    assert (runs[0] - runs[1]).abs().max().item() < TOL
     assert (runs[1] - want).abs().max().item() < 5e-2
 
 

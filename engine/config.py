@@ -59,7 +59,10 @@ class EngineConfig:
     num_speculative_tokens: int = SPEC.num_speculative_tokens
     prompt_lookup_max: int = SPEC.prompt_lookup_max
     prompt_lookup_min: int = SPEC.prompt_lookup_min
-    speculative_max_step_tokens: int = SPEC.max_step_tokens
+    # Drafts only while a step's rows stay within this; None: the rows one pass of the CPU
+    # kernels serves where the forward is quantized (4-8 by ISA: speculative_step_rows in
+    # engine/startup.py), else SPEC.max_step_tokens.
+    speculative_max_step_tokens: int | None = None
     # A draft model proposes instead (vLLM's --speculative-model): a small model with the
     # target's tokenizer, greedy on its own KV pool (engine/draft_model.py); implies "draft".
     speculative_model: str | None = None
@@ -159,7 +162,9 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, max_step_tokens: int | None = None) -> SchedulerConfig:
+        """The scheduler's settings; `max_step_tokens`: speculation's row cap as start-up
+        resolved it (None: the configured one, else the default)."""
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -171,6 +176,10 @@ class EngineConfig:
                 self.num_speculative_tokens,
                 self.prompt_lookup_max,
                 self.prompt_lookup_min,
-                self.speculative_max_step_tokens,
+                _first_set(max_step_tokens, self.speculative_max_step_tokens, SPEC.max_step_tokens),
             ),
         )
+
+
+def _first_set(*values: int | None) -> int:
+    return next(v for v in values if v is not None)

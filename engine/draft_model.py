@@ -30,7 +30,14 @@ from engine.runner.model_runner import ModelRunner, resolve_forward
 from engine.sampler import sample
 from engine.startup import decode_attention_for, kv_cache_spec
 from generation.sampling_params import SamplingParams
-from scheduler import BlockIntegrityError, KVBlockManager, ScheduledChunk, Sequence, StepPlan
+from scheduler import (
+    BlockIntegrityError,
+    KVBlockManager,
+    ScheduledChunk,
+    SchedulerConfig,
+    Sequence,
+    StepPlan,
+)
 
 logger = logging.getLogger("jitney.engine.draft")
 
@@ -75,7 +82,14 @@ class DraftModel:
     """The `Proposer` the continuous policy asks while it plans a step: drafts computed before
     the plan by `draft`, per sequence."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, kv_bytes: int, vocab_size: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        kv_bytes: int,
+        vocab_size: int,
+        scheduler: SchedulerConfig,
+    ):
         device, model = config.torch_device, loaded.model
         # Its weights as --quantization auto would keep them (dense in the exact mode).
         quantization = "none" if config.quantization == "none" else "auto"
@@ -91,7 +105,7 @@ class DraftModel:
         self.runner = ModelRunner(forward, PagedKVCache(spec, num_blocks, device, kernel))
         self.kv = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.name = loaded.name
-        self.spec = config.scheduler_config().speculative
+        self.spec = scheduler.speculative  # the target's (its row cap as start-up resolved it)
         self.max_model_len = loaded.max_model_len
         self.max_catch_up_tokens = config.max_num_batched_tokens  # per step, over all mirrors
         self.vocab_size = vocab_size  # the target's: ids past it (a padded head's) never proposed

@@ -78,13 +78,16 @@ class Engine:
         # Loaded before the KV budget is measured (on CUDA its weights count against it).
         draft = load_draft_model(config, self.loaded, progress)
         self.startup = plan_engine(config, self.loaded)  # memory, capacity, KV pool, graphs
+        self.scheduler_config = config.scheduler_config(self.startup.speculative_max_step_tokens)
         self.kv_cache = self.startup.kv_cache
         self.runner = self.startup.runner
         # Speculative decoding's draft model on its own pool (None: none; engine/draft_model.py).
         self.drafter = (
             None
             if draft is None
-            else DraftModel(config, draft, self.startup.draft_kv_bytes, self.vocab_size)
+            else DraftModel(
+                config, draft, self.startup.draft_kv_bytes, self.vocab_size, self.scheduler_config
+            )
         )
         self.choices = ChoiceTable()  # every live choice of every request
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.
@@ -104,7 +107,7 @@ class Engine:
         blocks = KVBlockManager(
             self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        policy = make_policy(config.batching, config.scheduler_config(), blocks)
+        policy = make_policy(config.batching, self.scheduler_config, blocks)
         proposer = self.drafter or policy.proposer
         if proposer is not None:  # drafts a grammar refuses are cut before the scheduler's plan
             policy.proposer = GrammarChecked(proposer, self.choices)

@@ -19,8 +19,9 @@ import torch
 
 from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
 from engine.capacity import KVCapacity, budget_bytes, draft_budget_bytes, plan_capacity
-from engine.config import EngineConfig
+from engine.config import SPEC, EngineConfig
 from engine.kernels import kernel_backend
+from engine.kernels.build import ONE_PASS_TOKENS
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
 from engine.memory_profile import step_peak_bytes
 from engine.models.forward import ModelForward
@@ -44,6 +45,8 @@ class StartupPlan:
     # Why decode tokens do not attend through the Triton kernel (None: they do, or the device
     # has none to offer); bench/gpu_check.py reports it.
     decode_kernel_unused_because: str | None
+    # Speculation's row cap (`speculative_step_rows`).
+    speculative_max_step_tokens: int = SPEC.max_step_tokens
     # The draft model's KV pool, out of the same budget (engine/draft_model.py; 0: none).
     draft_kv_bytes: int = 0
 
@@ -75,7 +78,23 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
     runner = ModelRunner(forward, kv_cache)
     if use_graphs:
         runner.enable_decode_graphs(config.max_num_seqs, capacity.max_model_len, CudaGraphCapture())
-    return StartupPlan(capacity, kv_cache, runner, forward_name, why_not, draft_kv_bytes)
+    rows = speculative_step_rows(config, forward_name)
+    return StartupPlan(capacity, kv_cache, runner, forward_name, why_not, rows, draft_kv_bytes)
+
+
+def speculative_step_rows(config: EngineConfig, forward_name: str) -> int:
+    """`speculative_max_step_tokens`, with None resolved: where the forward runs the CPU's
+    quantized kernels, the tokens one pass of them serves at the level in use (a row more
+    starts a second pass: on a Zen 3 at avx2-int16 the linears of 6 rows cost 1.8x one row's
+    and of 8 rows 2.7x; docs/performance.md), else SPEC.max_step_tokens."""
+    if config.speculative_max_step_tokens is not None:
+        return config.speculative_max_step_tokens
+    backend = kernel_backend()
+    if forward_name in QUANTIZED_FORWARDS and backend.is_native and backend.isa is not None:
+        rows = ONE_PASS_TOKENS[backend.isa]
+        logger.info("speculation: up to %d rows a step (one pass at %s)", rows, backend.isa)
+        return rows
+    return SPEC.max_step_tokens
 
 
 def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, forward_name: str) -> KVCacheSpec:

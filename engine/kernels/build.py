@@ -48,6 +48,10 @@ _SOURCE_NAMES = (
 )
 SOURCES = tuple(CSRC / f"{name}.cpp" for name in _SOURCE_NAMES)
 ISAS = ("avx2", "avx2-int16", "avx512", "vnni", "amx")  # csrc/blocks.h's Isa, in order
+# The tokens one pass over the weights serves at each level (its token tile: quant_linear.cpp,
+# quant_avx2_int.cpp's kInt16Tile, quant_avx512.cpp, quant_vnni.cpp; amx's one pass is vnni's).
+# One more token starts a second pass, which costs about a step at one token on an AVX2 CPU.
+ONE_PASS_TOKENS = {"avx2": 4, "avx2-int16": 6, "avx512": 8, "vnni": 8, "amx": 8}
 # Included by the sources: part of the hash too.
 HEADERS = tuple(CSRC / h for h in ("blocks.h", "ops.h", "vec_avx2.h", "attention.h"))
 # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, it runs on one thread. The

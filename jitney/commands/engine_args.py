@@ -143,8 +143,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=engine["speculative_max_step_tokens"],
         metavar="N",
         help="drafts only while a step's rows (drafts included) stay within N: past the rows "
-        "a step reads the weights for at about one row's cost, rejected drafts cost (5: this "
-        "2-core CPU's; a GPU gains to far more)",
+        "a step reads the weights for at about one row's cost, rejected drafts cost (default: "
+        "the rows one pass of the CPU kernels serves, 4-8 by ISA, where the weights are "
+        "quantized; else 8; a GPU gains to far more)",
     )
     g.add_argument(
         "--max-model-len",

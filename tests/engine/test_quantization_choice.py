@@ -11,8 +11,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.config import EngineConfig
+from engine.config import SPEC, EngineConfig
 from engine.kernels import Q4_1Weights
+from engine.kernels.build import ISAS, ONE_PASS_TOKENS
 from engine.layers.quantized import COVERED_KINDS, QuantizedLinear, uncovered_kinds
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.model_loader import LoadedModel, load_model
@@ -108,3 +109,23 @@ def test_auto_is_the_default_and_explicit_choices_still_validate() -> None:
         EngineConfig(quantization="gguf", model_impl="transformers")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="q4")
+
+
+def test_speculation_drafts_within_one_pass_of_the_kernels_in_use(smollm2, loaded, isa) -> None:
+    """The default row cap is the tokens one pass of the quantized kernels serves at the level
+    in use (a row more starts a second pass, which costs about a whole one-row step on an AVX2
+    CPU); a dense forward keeps SPEC's, and a cap asked for wins."""
+    quantized = make_engine(smollm2, kv_cache_memory="16MiB")
+    rows = quantized.scheduler_config.speculative.max_step_tokens
+    assert rows == (SPEC.max_step_tokens if isa is None else ONE_PASS_TOKENS[isa])
+    assert quantized.policy.config.speculative.max_step_tokens == rows  # what the policy obeys
+    dense = make_engine(loaded, kv_cache_memory="16MiB")
+    assert dense.scheduler_config.speculative.max_step_tokens == SPEC.max_step_tokens
+    asked = make_engine(smollm2, kv_cache_memory="16MiB", speculative_max_step_tokens=12)
+    assert asked.scheduler_config.speculative.max_step_tokens == 12
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        EngineConfig(speculative_max_step_tokens=1)
+
+
+def test_every_kernel_level_has_its_one_pass_width() -> None:
+    assert set(ONE_PASS_TOKENS) == set(ISAS) and all(n >= 2 for n in ONE_PASS_TOKENS.values())

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from scheduler import POLICIES, SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
 from scheduler.config import SCHEDULER_DEFAULTS as SCHED
+
+_Number = TypeVar("_Number", int, float)
 
 SPEC = SCHED.speculative
 SPECULATIVE_CHOICES = ("auto", *SPECULATIVE_METHODS)
@@ -63,6 +65,11 @@ class EngineConfig:
     # kernels serves where the forward is quantized (4-8 by ISA: speculative_step_rows in
     # engine/startup.py), else SPEC.max_step_tokens.
     speculative_max_step_tokens: int | None = None
+    # What one more row costs as a share of a one-row step: drafts are verified only while
+    # their measured odds of being kept pay for it (scheduler/speculation/odds.py); None: the
+    # measured cost of the CPU kernels' level where the forward is quantized (draft_row_cost
+    # in engine/startup.py), else SPEC.draft_row_cost; 0: every draft the other limits allow.
+    speculative_draft_row_cost: float | None = None
     # A draft model proposes instead (vLLM's --speculative-model): a small model with the
     # target's tokenizer, greedy on its own KV pool (engine/draft_model.py); implies "draft".
     speculative_model: str | None = None
@@ -162,9 +169,12 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
-    def scheduler_config(self, max_step_tokens: int | None = None) -> SchedulerConfig:
-        """The scheduler's settings; `max_step_tokens`: speculation's row cap as start-up
-        resolved it (None: the configured one, else the default)."""
+    def scheduler_config(
+        self, max_step_tokens: int | None = None, draft_row_cost: float | None = None
+    ) -> SchedulerConfig:
+        """The scheduler's settings; `max_step_tokens` and `draft_row_cost`: speculation's row
+        cap and row cost as start-up resolved them (None: the configured ones, else the
+        defaults)."""
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -177,9 +187,10 @@ class EngineConfig:
                 self.prompt_lookup_max,
                 self.prompt_lookup_min,
                 _first_set(max_step_tokens, self.speculative_max_step_tokens, SPEC.max_step_tokens),
+                _first_set(draft_row_cost, self.speculative_draft_row_cost, SPEC.draft_row_cost),
             ),
         )
 
 
-def _first_set(*values: int | None) -> int:
+def _first_set(*values: _Number | None) -> _Number:
     return next(v for v in values if v is not None)

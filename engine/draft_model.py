@@ -38,6 +38,7 @@ from scheduler import (
     Sequence,
     StepPlan,
 )
+from scheduler.speculation import MODEL_KIND, DraftOdds, Proposal
 
 logger = logging.getLogger("jitney.engine.draft")
 
@@ -106,6 +107,9 @@ class DraftModel:
         self.kv = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.name = loaded.name
         self.spec = scheduler.speculative  # the target's (its row cap as start-up resolved it)
+        # The policy's odds (the engine shares them): passes past the drafts they pay for are
+        # not run.
+        self.odds = DraftOdds()
         self.max_model_len = loaded.max_model_len
         self.max_catch_up_tokens = config.max_num_batched_tokens  # per step, over all mirrors
         self.vocab_size = vocab_size  # the target's: ids past it (a padded head's) never proposed
@@ -121,8 +125,8 @@ class DraftModel:
         )
 
     # ----- the proposer seam (scheduler/speculation/proposer.py) ----------------------------
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return self._proposed.get(seq.seq_id, [])[:max_tokens]
+    def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
+        return Proposal(self._proposed.get(seq.seq_id, [])[:max_tokens], MODEL_KIND)
 
     # ----- one round, before the step is planned --------------------------------------------
     def draft(self, running: SequenceABC[Sequence]) -> None:
@@ -141,7 +145,11 @@ class DraftModel:
 
     def _num_drafts(self, seq: Sequence, rows: int) -> int:
         # The draft computes positions up to num_tokens + k - 2: within its own context.
-        return min(self.spec.num_drafts(seq, rows), self.max_model_len - seq.num_tokens)
+        k = min(self.spec.num_drafts(seq, rows), self.max_model_len - seq.num_tokens)
+        # As many as pay at this batch (`rows`: one per running sequence); at least the first,
+        # which the catch-up pass gives anyway (and the policy's probe may verify).
+        paying = self.odds.paying(MODEL_KIND, k, self.spec.break_even(rows), seq.draft_counts)
+        return min(k, max(paying, 1))
 
     def _catch_up(self, wanted: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """The first pass: each mirror computes what it has not seen, within the per-step

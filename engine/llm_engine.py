@@ -78,7 +78,9 @@ class Engine:
         # Loaded before the KV budget is measured (on CUDA its weights count against it).
         draft = load_draft_model(config, self.loaded, progress)
         self.startup = plan_engine(config, self.loaded)  # memory, capacity, KV pool, graphs
-        self.scheduler_config = config.scheduler_config(self.startup.speculative_max_step_tokens)
+        self.scheduler_config = config.scheduler_config(
+            self.startup.speculative_max_step_tokens, self.startup.speculative_draft_row_cost
+        )
         self.kv_cache = self.startup.kv_cache
         self.runner = self.startup.runner
         # Speculative decoding's draft model on its own pool (None: none; engine/draft_model.py).
@@ -109,6 +111,8 @@ class Engine:
         )
         policy = make_policy(config.batching, self.scheduler_config, blocks)
         proposer = self.drafter or policy.proposer
+        if self.drafter is not None:  # it drafts only as far as the policy's odds will verify
+            self.drafter.odds = policy.odds
         if proposer is not None:  # drafts a grammar refuses are cut before the scheduler's plan
             policy.proposer = GrammarChecked(proposer, self.choices)
         return blocks, policy

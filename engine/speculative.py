@@ -32,7 +32,7 @@ from engine.choices import ChoiceState, ChoiceTable
 from engine.sampler import TokenHistory, TokenLogprobs
 from generation.sampling_params import SamplingParams
 from scheduler import Sequence, StepPlan
-from scheduler.speculation import Proposer
+from scheduler.speculation import Proposal, Proposer
 
 if TYPE_CHECKING:  # llguidance is imported only when a request has a grammar
     from llguidance import LLMatcher
@@ -47,13 +47,14 @@ class GrammarChecked:
     inner: Proposer
     choices: ChoiceTable
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        drafts = self.inner.propose(seq, max_tokens)
-        if drafts and seq.seq_id in self.choices.constrained:
+    def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
+        proposal = self.inner.propose(seq, max_tokens)
+        if proposal.tokens and seq.seq_id in self.choices.constrained:
             matcher = self.choices.by_seq[seq.seq_id].matcher
             assert matcher is not None
-            drafts = drafts[: matcher.validate_tokens(drafts)]
-        return drafts
+            allowed = matcher.validate_tokens(proposal.tokens)
+            proposal = Proposal(proposal.tokens[:allowed], proposal.kind)
+        return proposal
 
 
 def draft_rows(plan: StepPlan) -> dict[str, int]:

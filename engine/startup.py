@@ -21,7 +21,7 @@ from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
 from engine.capacity import KVCapacity, budget_bytes, draft_budget_bytes, plan_capacity
 from engine.config import SPEC, EngineConfig
 from engine.kernels import kernel_backend
-from engine.kernels.build import ONE_PASS_TOKENS
+from engine.kernels.build import DRAFT_ROW_COST, ONE_PASS_TOKENS
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
 from engine.memory_profile import step_peak_bytes
 from engine.models.forward import ModelForward
@@ -45,8 +45,9 @@ class StartupPlan:
     # Why decode tokens do not attend through the Triton kernel (None: they do, or the device
     # has none to offer); bench/gpu_check.py reports it.
     decode_kernel_unused_because: str | None
-    # Speculation's row cap (`speculative_step_rows`).
+    # Speculation's row cap (`speculative_step_rows`) and a draft row's cost (`draft_row_cost`).
     speculative_max_step_tokens: int = SPEC.max_step_tokens
+    speculative_draft_row_cost: float = SPEC.draft_row_cost
     # The draft model's KV pool, out of the same budget (engine/draft_model.py; 0: none).
     draft_kv_bytes: int = 0
 
@@ -79,7 +80,16 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
     if use_graphs:
         runner.enable_decode_graphs(config.max_num_seqs, capacity.max_model_len, CudaGraphCapture())
     rows = speculative_step_rows(config, forward_name)
-    return StartupPlan(capacity, kv_cache, runner, forward_name, why_not, rows, draft_kv_bytes)
+    return StartupPlan(
+        capacity,
+        kv_cache,
+        runner,
+        forward_name,
+        why_not,
+        rows,
+        draft_row_cost(config, forward_name),
+        draft_kv_bytes,
+    )
 
 
 def speculative_step_rows(config: EngineConfig, forward_name: str) -> int:
@@ -89,12 +99,29 @@ def speculative_step_rows(config: EngineConfig, forward_name: str) -> int:
     and of 8 rows 2.7x; docs/performance.md), else SPEC.max_step_tokens."""
     if config.speculative_max_step_tokens is not None:
         return config.speculative_max_step_tokens
-    backend = kernel_backend()
-    if forward_name in QUANTIZED_FORWARDS and backend.is_native and backend.isa is not None:
-        rows = ONE_PASS_TOKENS[backend.isa]
-        logger.info("speculation: up to %d rows a step (one pass at %s)", rows, backend.isa)
+    if (isa := _one_pass_isa(forward_name)) is not None:
+        rows = ONE_PASS_TOKENS[isa]
+        logger.info("speculation: up to %d rows a step (one pass at %s)", rows, isa)
         return rows
     return SPEC.max_step_tokens
+
+
+def draft_row_cost(config: EngineConfig, forward_name: str) -> float:
+    """`speculative_draft_row_cost`, with None resolved: the measured share of a step one more
+    row costs at the CPU kernels' level in use where the forward is quantized, else
+    SPEC.draft_row_cost."""
+    if config.speculative_draft_row_cost is not None:
+        return config.speculative_draft_row_cost
+    isa = _one_pass_isa(forward_name)
+    return SPEC.draft_row_cost if isa is None else DRAFT_ROW_COST[isa]
+
+
+def _one_pass_isa(forward_name: str) -> str | None:
+    """The CPU kernels' level where `forward_name` runs them natively (else None)."""
+    if forward_name not in QUANTIZED_FORWARDS:
+        return None
+    backend = kernel_backend()
+    return backend.isa if backend.is_native else None
 
 
 def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, forward_name: str) -> KVCacheSpec:

@@ -99,14 +99,10 @@ class Sequence:
     # Proposed after the last known token for the step being planned; the step keeps the ones
     # the model agrees with (output tokens then) and drops the rest.
     draft_token_ids: list[int] = field(default_factory=list)
-    # The most drafts its next verification proposes (0: the configured most): it follows the
-    # sequence's acceptance, so a sequence whose drafts fail stops paying for long ones.
-    max_draft_tokens: int = 0
-    # Verifications in a row that kept no draft, and the plain decodes it waits before proposing
-    # again (1, 2, 4, ... up to 32 after as many misses): text that never repeats itself costs a
-    # one-draft verification every 32 steps, not every step.
-    num_draft_misses: int = 0
-    draft_pause: int = 0
+    # What proposed them (DraftOdds' kind): their verification's result is measured by it.
+    draft_kind: int = 0
+    # Its own verifications' counts by (kind, position): its odds lean on them as they grow.
+    draft_counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     # Its speculation so far (on this worker): draft tokens verified, those kept, verifications.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -148,6 +148,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "quantized; else 8; a GPU gains to far more)",
     )
     g.add_argument(
+        "--speculative-draft-row-cost",
+        type=float,
+        default=engine["speculative_draft_row_cost"],
+        metavar="C",
+        help="what one more row costs as a share of a one-row step: drafts are verified only "
+        "while their measured odds of being kept pay for their rows (default: measured per "
+        "CPU kernel level where the weights are quantized, 0.11 on AVX-512 and AMX, 0.22 on "
+        "AVX2; else 0.1; 0: every draft the other limits allow)",
+    )
+    g.add_argument(
         "--max-model-len",
         type=int,
         default=engine["max_model_len"],
@@ -226,6 +236,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
         speculative_max_step_tokens=args.speculative_max_step_tokens,
+        speculative_draft_row_cost=args.speculative_draft_row_cost,
         speculative_model=args.speculative_model,
         speculative_kv_cache_memory=args.speculative_kv_cache_memory,
         max_model_len=args.max_model_len,

@@ -21,7 +21,7 @@ from scheduler.block_manager import KVBlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.plan import ScheduledChunk, SchedulerStats, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculation import NgramProposer, Proposer, SpeculativeConfig
+from scheduler.speculation import DraftOdds, NgramProposer, Proposal, Proposer, SpeculativeConfig
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -45,6 +45,8 @@ class BatchingPolicy(ABC):
         # Who proposes draft tokens (None: no speculation). A model proposer ("draft") lives in
         # the engine, which sets it here (scheduler/speculation/proposer.py).
         self.proposer: Proposer | None = _proposer_for(config.speculative)
+        # How often each kind of proposal's drafts are kept: how many of them a step verifies.
+        self.odds = DraftOdds()
 
     # ----- requests in and out -----------------------------------------------------------------
     def add_request(self, seq: Sequence, front: bool = False) -> None:
@@ -152,7 +154,6 @@ class BatchingPolicy(ABC):
                     continue
                 finish = seq.append_token(sampled_token_ids[seq.seq_id])
                 seq.num_step_tokens = 1
-                seq.draft_pause = max(seq.draft_pause - 1, 0)
             if finish is None and seq.seq_id in stopped_seq_ids:
                 finish = SequenceStatus.FINISHED_STOPPED
             if finish is not None:
@@ -169,10 +170,7 @@ class BatchingPolicy(ABC):
         num_accepted, k = len(tokens) - 1, chunk.num_draft_tokens
         seq.num_computed_tokens = chunk.start + 1 + num_accepted
         seq.draft_token_ids = []
-        # All accepted: try twice as many next time; else one more than were accepted.
-        seq.max_draft_tokens = 2 * k if num_accepted == k else num_accepted + 1
-        seq.num_draft_misses = 0 if num_accepted else seq.num_draft_misses + 1
-        seq.draft_pause = min(2 ** (seq.num_draft_misses - 1), 32) if seq.num_draft_misses else 0
+        self.odds.record(seq.draft_kind, k, num_accepted, seq.draft_counts)
         self.kv.trim(seq, seq.num_computed_tokens, self._reserve_tokens(seq))
         seq.num_draft_tokens += k
         seq.num_accepted_tokens += num_accepted
@@ -222,9 +220,9 @@ class BatchingPolicy(ABC):
         self._add_chunk(plan, seq, num_new)
         return num_new
 
-    def _add_verification(self, plan: StepPlan, seq: Sequence, drafts: list[int]) -> None:
+    def _add_verification(self, plan: StepPlan, seq: Sequence, drafts: Proposal) -> None:
         """A decode that also computes `drafts` after the sequence's last token (KV allocated)."""
-        seq.draft_token_ids = drafts
+        seq.draft_token_ids, seq.draft_kind = drafts.tokens, drafts.kind
         start, num_tokens = seq.num_computed_tokens, 1 + len(drafts)
         plan.chunks.append(ScheduledChunk(seq.seq_id, start, num_tokens, True, False, len(drafts)))
 

@@ -17,8 +17,9 @@ One step:
    prefill in later steps, sharing them with decodes (chunked prefill).
 With speculation on (scheduler/speculation/), a decoding sequence that the engine lets
 speculate gets a verification instead of a plain decode (its last token and the proposer's
-drafts in one chunk) while the step's rows stay within `max_step_tokens` and the budget and
-free blocks allow (never by preempting).
+drafts in one chunk) while the step's rows stay within `max_step_tokens`, the budget and
+free blocks allow (never by preempting), and the drafts' measured odds pay for their rows
+(scheduler/speculation/odds.py).
 Finished sequences leave the batch in the update of the step that finished them.
 """
 
@@ -31,6 +32,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.plan import StepLimit, StepPlan
 from scheduler.policies.base import BatchingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.speculation import Proposal
 
 logger = logging.getLogger("jitney.scheduler")
 
@@ -97,29 +99,34 @@ class ContinuousBatching(BatchingPolicy):
                 break
         return budget
 
-    def _drafts(self, seq: Sequence, budget: int, plan: StepPlan, i: int) -> list[int]:
-        """Draft tokens for a decoding sequence to verify this step, their KV allocated; none
-        when it does not speculate. Speculation never preempts: without spare free blocks for
-        the drafts the sequence decodes plainly."""
+    def _drafts(self, seq: Sequence, budget: int, plan: StepPlan, i: int) -> Proposal | None:
+        """Draft tokens for a decoding sequence to verify this step, their KV allocated: those of
+        its proposal whose measured odds pay for their rows; None when it does not speculate.
+        Speculation never preempts: without spare free blocks for the drafts the sequence
+        decodes plainly."""
         assert self.proposer is not None
-        if len(self.running) >= self.config.speculative.max_step_tokens:
-            return []  # a batch this large never speculates (no rows to spare)
+        spec = self.config.speculative
+        if len(self.running) >= spec.max_step_tokens:
+            return None  # a batch this large never speculates (no rows to spare)
         # The step's rows so far, this token and one for each running sequence after it.
         rows = plan.num_batched_tokens + len(self.running) - i
         # The drafts and the token sampled after them must fit the budget too.
-        room = min(self.config.speculative.num_drafts(seq, rows), budget - 1)
+        room = min(spec.num_drafts(seq, rows), budget - 1)
         if room < 1:
-            return []
-        drafts = self.proposer.propose(seq, room)
-        if not drafts:
-            return []
+            return None
+        proposal = self.proposer.propose(seq, room)
+        even = spec.break_even(len(self.running))
+        worth = self.odds.worth(proposal.kind, len(proposal), even, seq.draft_counts)
+        if not worth:
+            return None
+        drafts = Proposal(proposal.tokens[:worth], proposal.kind)
         # Leave a free block for every running sequence, so that the drafts never make another
         # sequence's plain decode preempt.
         kv = self.kv
-        grow = kv.blocks_for(seq.num_tokens + len(drafts)) - len(kv.block_ids(seq.seq_id))
+        grow = kv.blocks_for(seq.num_tokens + worth) - len(kv.block_ids(seq.seq_id))
         if grow > 0 and kv.num_free_blocks - grow < len(self.running):
-            return []
-        return drafts if kv.allocate_slots(seq, 1 + len(drafts)) else []
+            return None
+        return drafts if kv.allocate_slots(seq, 1 + worth) else None
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting and len(self.running) >= self.config.max_num_seqs:

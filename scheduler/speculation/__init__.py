@@ -5,9 +5,11 @@ token and its k drafts as one chunk of k + 1 query tokens, and the engine keeps 
 prefix of drafts the target model itself would have produced (engine/speculative.py). The
 n-gram proposer (prompt lookup) is pure and lives here; a draft model (engine/draft_model.py)
 plugs into the same `Proposer` seam from the engine, as a learned head (EAGLE, MTP) would.
+How many of a proposal's drafts a step verifies is the measured odds' call (odds.py).
 """
 
 from scheduler.speculation.ngram import NgramProposer
-from scheduler.speculation.proposer import Proposer, SpeculativeConfig
+from scheduler.speculation.odds import MODEL_KIND, DraftOdds
+from scheduler.speculation.proposer import Proposal, Proposer, SpeculativeConfig
 
-__all__ = ["NgramProposer", "Proposer", "SpeculativeConfig"]
+__all__ = ["MODEL_KIND", "DraftOdds", "NgramProposer", "Proposal", "Proposer", "SpeculativeConfig"]

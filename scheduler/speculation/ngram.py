@@ -12,6 +12,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 from scheduler.sequence import Sequence
+from scheduler.speculation.proposer import Proposal
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,20 +20,23 @@ class NgramProposer:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return self.lookup(seq.token_ids(0, seq.num_tokens), max_tokens)
+    def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
+        return self.match(seq.token_ids(0, seq.num_tokens), max_tokens)
 
     def lookup(self, token_ids: SequenceABC[int], max_tokens: int) -> list[int]:
         """What followed the latest earlier occurrence of the tail of `token_ids`."""
+        return self.match(token_ids, max_tokens).tokens
+
+    def match(self, token_ids: SequenceABC[int], max_tokens: int) -> Proposal:
+        """`lookup`'s drafts, of the kind of the tail's length (their odds differ by it)."""
         n_tokens = len(token_ids)
         if max_tokens < 1:
-            return []
+            return Proposal([])
         for n in range(min(self.prompt_lookup_max, n_tokens - 1), self.prompt_lookup_min - 1, -1):
             tail = list(token_ids[n_tokens - n :])
             first = tail[0]
             # Latest start i < n_tokens - n whose n tokens equal the tail.
             for i in range(n_tokens - n - 1, -1, -1):
                 if token_ids[i] == first and list(token_ids[i : i + n]) == tail:
-                    follow = token_ids[i + n : i + n + max_tokens]
-                    return list(follow)
-        return []
+                    return Proposal(list(token_ids[i + n : i + n + max_tokens]), n)
+        return Proposal([])

@@ -36,6 +36,11 @@ class SpeculativeConfig:
     # 1.13x; bench/traces/quoting.json, mixed-64: docs/performance.md); a GPU stays bound by the
     # weight read to far more rows.
     max_step_tokens: int = 8
+    # What one more row costs, as a share of a one-row step: a draft is verified only while the
+    # odds of keeping it pay for its row (scheduler/speculation/odds.py). About 0.1 on the
+    # AVX-512 and AMX kernels, 0.2 on AVX2's (engine/kernels/build.py DRAFT_ROW_COST); 0: every
+    # draft the other limits allow.
+    draft_row_cost: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -46,6 +51,8 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.max_step_tokens < 2:
             raise ValueError("speculative max_step_tokens must be >= 2 (a token and a draft)")
+        if not 0.0 <= self.draft_row_cost <= 1.0:
+            raise ValueError("speculative draft_row_cost must be within [0, 1]")
 
     @property
     def enabled(self) -> bool:
@@ -53,27 +60,43 @@ class SpeculativeConfig:
 
     def num_drafts(self, seq: Sequence, rows: int) -> int:
         """The most drafts `seq` may verify in a step of `rows` rows before them (its own token
-        counted; 0: none): a decoding sequence the engine lets speculate and that is not
-        pausing after verifications that kept nothing, within
-        num_speculative_tokens, one more than its last verification kept (`max_draft_tokens`),
-        the step's rows, and max_tokens (the kept drafts and the token sampled after them).
-        The continuous policy asks it per sequence while it plans; a model proposer before, of
-        every running sequence at the fewest rows a step can have (one per sequence)."""
+        counted; 0: none): a decoding sequence the engine lets speculate, within
+        num_speculative_tokens, the step's rows, and max_tokens (the kept drafts and the token
+        sampled after them). The continuous policy asks it per sequence while it plans; a model
+        proposer before, of every running sequence at the fewest rows a step can have (one per
+        sequence). Which of them pay is the odds' call (`break_even`)."""
         if not seq.speculates or not seq.num_output_tokens or seq.num_uncomputed_tokens != 1:
             return 0
-        if seq.draft_pause:  # its last verifications kept nothing: it waits (Sequence says how)
-            return 0
-        k = self.num_speculative_tokens
         room = min(
-            seq.max_draft_tokens or k,
-            k,
+            self.num_speculative_tokens,
             self.max_step_tokens - rows,
             seq.limits.max_tokens - seq.num_output_tokens - 1,
         )
         return max(room, 0)
 
+    def break_even(self, batch: int) -> float:
+        """The chance of being kept at which a draft row pays for itself in a step that decodes
+        `batch` sequences. With c the row cost, such a step costs 1 + c (batch - 1) one-row
+        steps, so a token costs (1 + c (batch - 1)) / batch of one; a kept draft saves a token,
+        a row costs c. Alone (batch 1) a draft pays when kept a share c of the time; in a fuller
+        batch tokens are cheaper, and drafts must be likelier."""
+        c = self.draft_row_cost
+        return c * batch / (1 + c * (batch - 1))
+
+
+@dataclass(slots=True, frozen=True)
+class Proposal:
+    """A proposer's drafts and their kind, which keys their measured odds (DraftOdds): an n-gram
+    lookup's tail length, MODEL_KIND (0) for a model's."""
+
+    tokens: list[int]
+    kind: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
         """Up to `max_tokens` guesses of the tokens that follow `seq`'s (may be none)."""
         ...

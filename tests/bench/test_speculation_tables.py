@@ -1,6 +1,6 @@
 """bench/speculation_tables.sh (the README's speculation table) end to end, on cut-down traces:
-every trace runs off and on each round, and the table has a row per trace with the speed-up,
-the drafts kept and the tail."""
+every trace runs off and on each round in one process, and the table has a row per trace with
+the speed-up, the drafts kept and the tail."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _cut(trace: Path, requests: int, output_len: int, out: Path) -> None:
     out.write_text(json.dumps(data))
 
 
-@pytest.mark.slow  # six `jitney bench offline` runs, each loading SmolLM2: about a minute
+@pytest.mark.slow  # three processes, each loading SmolLM2 and running its trace twice
 def test_the_table_has_every_trace_off_and_on(tmp_path):
     traces = tmp_path / "traces"
     traces.mkdir()
@@ -52,15 +52,20 @@ def test_the_table_has_every_trace_off_and_on(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| trace | off: tokens/s | on: tokens/s | speed-up")
     body = {row.split(" | ")[0][2:]: row.split(" | ") for row in rows[1:]}
-    assert list(body) == ["quoting, one user", "one user, random prompt", "mixed-64, all at t=0"]
+    assert list(body) == [
+        "`bench/traces/quoting.json`, one request at a time",
+        "one user, a 134-token random prompt, 48 tokens",
+        "`mixed-64.json`, all 64 at t=0",
+    ]
     for cells in body.values():
         assert float(cells[1]) > 0 and float(cells[2]) > 0
-        assert re.fullmatch(r"\d+\.\d\dx", cells[3])
+        assert re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", cells[3])
         assert re.fullmatch(r"\d+%", cells[4])
         assert re.fullmatch(r"\d+\.\d\d / \d+\.\d\d \|", cells[6])
-    assert float(body["one user, random prompt"][5]) > 1  # SmolLM2 repeats itself: drafts kept
-    assert body["mixed-64, all at t=0"][5] == "-"
+    assert float(body["one user, a 134-token random prompt, 48 tokens"][5]) > 1  # drafts kept
+    assert body["`mixed-64.json`, all 64 at t=0"][5] == "-"
+    assert done.stdout.count("same tokens with and without speculation: True") == 3
     for name in ("quoting", "one-user", "mixed-64"):
-        for mode in ("none", "auto"):
-            report = json.loads((out / f"{name}-{mode}-1.json").read_text())
-            assert report["command"].count(f"--speculative {mode}") == 1
+        report = json.loads((out / f"{name}.json").read_text())
+        assert (report["off"]["mode"], report["on"]["mode"]) == ("none", "auto")
+        assert report["same_tokens"] and len(report["round_speed_ups"]) == 1

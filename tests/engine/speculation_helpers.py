@@ -55,8 +55,10 @@ def both(
     loaded: LoadedModel, requests: Requests, logprobs: bool = False, **config: Any
 ) -> tuple[dict, dict, Engine]:
     """The requests without speculation and with it (`config`'s, n-gram unless it names a
-    draft model), and the speculating engine."""
+    draft model), and the speculating engine. It verifies every proposal unless `config`
+    prices its rows: these tests are about what a verification keeps, not whether it pays."""
     spec = {} if "speculative_model" in config else {"speculative": "ngram"}
+    config = {"speculative_draft_row_cost": 0.0, **config}
     off_config = {k: v for k, v in config.items() if not k.startswith("speculative")}
     off_config["speculative"] = "none"
     off = make_engine(loaded, kv_cache_memory="16MiB", **off_config)

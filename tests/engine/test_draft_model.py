@@ -91,14 +91,14 @@ def test_the_draft_proposes_its_own_greedy_continuation_of_the_target_s_tokens(
         engine.step()
         check_pools(engine)
         assert engine.drafter is not None
-        proposed = engine.drafter.propose(seq, 99)  # this step's, made from `before`
+        proposed = engine.drafter.propose(seq, 99).tokens  # this step's, made from `before`
         paused += step > 1 and not proposed and len(engine.policy.running) == 3
         if proposed:
             want, tie = _greedy(model, before, len(proposed))
             assert proposed[: len(want) - tie] == want[: len(want) - tie], (step, before)
             checked += 1
-    # (Fewer checks than steps: besides the rows, a sequence whose drafts were all rejected
-    # waits a few steps before proposing again.)
+    # (Fewer checks than steps: besides the rows, the model's drafts stop paying for their rows
+    # once their measured odds fall, but for a probe now and then.)
     assert checked >= 5 and paused >= 3
     assert seq.num_output_tokens == 50
 

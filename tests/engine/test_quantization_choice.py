@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from engine.config import SPEC, EngineConfig
 from engine.kernels import Q4_1Weights
-from engine.kernels.build import ISAS, ONE_PASS_TOKENS
+from engine.kernels.build import DRAFT_ROW_COST, ISAS, ONE_PASS_TOKENS
 from engine.layers.quantized import COVERED_KINDS, QuantizedLinear, uncovered_kinds
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.model_loader import LoadedModel, load_model
@@ -127,5 +127,20 @@ def test_speculation_drafts_within_one_pass_of_the_kernels_in_use(smollm2, loade
         EngineConfig(speculative_max_step_tokens=1)
 
 
-def test_every_kernel_level_has_its_one_pass_width() -> None:
+def test_a_draft_row_costs_what_the_kernels_in_use_measured(smollm2, loaded, isa) -> None:
+    """The break-even of speculation's odds follows the kernel level's measured row cost where
+    the forward is quantized, SPEC's elsewhere; a cost asked for wins, and is validated."""
+    quantized = make_engine(smollm2, kv_cache_memory="16MiB")
+    cost = quantized.policy.config.speculative.draft_row_cost
+    assert cost == (SPEC.draft_row_cost if isa is None else DRAFT_ROW_COST[isa])
+    dense = make_engine(loaded, kv_cache_memory="16MiB")
+    assert dense.policy.config.speculative.draft_row_cost == SPEC.draft_row_cost
+    asked = make_engine(smollm2, kv_cache_memory="16MiB", speculative_draft_row_cost=0.0)
+    assert asked.policy.config.speculative.draft_row_cost == 0.0
+    with pytest.raises(ValueError, match="draft_row_cost"):
+        EngineConfig(speculative_draft_row_cost=-0.1)
+
+
+def test_every_kernel_level_has_its_one_pass_width_and_row_cost() -> None:
     assert set(ONE_PASS_TOKENS) == set(ISAS) and all(n >= 2 for n in ONE_PASS_TOKENS.values())
+    assert set(DRAFT_ROW_COST) == set(ISAS) and all(0 < c < 1 for c in DRAFT_ROW_COST.values())

@@ -106,5 +106,6 @@ def test_drafts_stop_before_the_first_token_the_grammar_refuses(loaded: LoadedMo
     seq = engine.policy.seqs["r"]
     proposer = engine.policy.proposer
     assert proposer is not None
-    assert proposer.inner.propose(seq, 4) == tokenizer.encode("zxy")  # type: ignore[attr-defined]
-    assert proposer.propose(seq, 4) == tokenizer.encode("zx")
+    inner = proposer.inner  # type: ignore[attr-defined]
+    assert inner.propose(seq, 4).tokens == tokenizer.encode("zxy")
+    assert proposer.propose(seq, 4).tokens == tokenizer.encode("zx")

@@ -3,6 +3,8 @@ tokens an update keeps, and the rejected drafts' KV given back (integrity after 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from scheduler import (
@@ -14,7 +16,8 @@ from scheduler import (
     SequenceStatus,
     SpeculativeConfig,
 )
-from scheduler.speculation import NgramProposer
+from scheduler.speculation import DraftOdds, NgramProposer
+from scheduler.speculation.odds import PROBE_EVERY
 
 
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_tail():
@@ -169,7 +172,7 @@ def test_a_trimmed_allocation_is_a_new_block_list():
 
 def test_num_drafts_is_what_one_decoding_sequence_may_verify_in_a_step():
     """What a model proposer computes before the plan, per sequence: within k, the step's
-    rows, max_tokens, and one more than its last verification kept."""
+    rows and max_tokens."""
     spec = SpeculativeConfig("draft", num_speculative_tokens=4, max_step_tokens=5)
     seq = _repeating("a", max_tokens=4)
     assert spec.num_drafts(seq, 1) == 0  # no output yet: its prompt is still to compute
@@ -177,39 +180,98 @@ def test_num_drafts_is_what_one_decoding_sequence_may_verify_in_a_step():
     assert spec.num_drafts(seq, 1) == 2  # 1 output + 2 drafts + the sampled token = 4
     seq.limits = SamplingLimits(20)
     assert [spec.num_drafts(seq, rows) for rows in (1, 3, 5)] == [4, 2, 0]
-    seq.max_draft_tokens = 1  # its last verification kept none
-    assert spec.num_drafts(seq, 1) == 1
     seq.speculates = False
     assert spec.num_drafts(seq, 1) == 0
 
 
-def test_a_sequence_whose_drafts_keep_failing_waits_longer_before_proposing_again():
-    """Verifications that keep nothing pause proposals for 1, 2, 4, ... plain decodes (up to
-    32), so text that never repeats pays for a draft rarely; a kept draft ends the pause. Every
-    token here continues the prompt's cycle 1..5, so a lookup always finds drafts: only the
-    pause holds them back."""
-    policy = _policy(num_blocks=64)
-    seq = _repeating("a", max_tokens=200)
+def test_drafts_that_keep_failing_stop_being_verified_but_for_a_probe_now_and_then():
+    """Every token here is one of the prompt's 1..5, so a one-token lookup always finds drafts;
+    the model refuses them all. Once the measured odds of a first draft fall below what its row
+    costs, the sequence decodes plainly, but for one draft every PROBE_EVERY proposals; a kept
+    draft raises the odds again."""
+    spec = SpeculativeConfig(
+        "ngram", 4, prompt_lookup_max=1, prompt_lookup_min=1, draft_row_cost=0.25
+    )
+    config = SchedulerConfig(max_num_batched_tokens=64, speculative=spec)
+    policy = ContinuousBatching(config, KVBlockManager(256, 4))
+    seq = _repeating("a", max_tokens=400)
 
     def next_in_cycle() -> int:
         return seq.token_ids(seq.num_tokens - 1, seq.num_tokens)[0] % 5 + 1
 
+    def refused() -> int:  # a token of the cycle, not the first draft
+        return seq.draft_token_ids[0] % 5 + 1
+
     policy.add_request(seq)
     _prefill_and_first_token(policy, 4)
-    waits = []
-    for _ in range(3):  # three verifications in a row keep nothing
+    drafts = []
+    for _ in range(60):
         plan = policy.schedule(1)
-        assert plan.chunks[0].num_draft_tokens > 0
-        policy.update(plan, {"a": next_in_cycle()}, accepted={"a": []})
-        plain = 0
-        while not (plan := policy.schedule(1)).chunks[0].num_draft_tokens:
+        drafts.append(plan.chunks[0].num_draft_tokens)
+        policy.update(plan, {"a": refused() if drafts[-1] else next_in_cycle()}, accepted={})
+        policy.kv.check_integrity()
+    kind = seq.draft_kind
+    assert kind == 1  # a one-token tail's proposals
+    # A miss is counted only at the first draft: the later ones' odds are untouched.
+    misses = sum(1 for k in drafts if k)
+    assert policy.odds.counts[(kind, 0)] == [0, misses] and (kind, 1) not in policy.odds.counts
+    # Its own misses pull its odds below 0.25 after 4 (the engine's alone would take 12);
+    # then one draft every PROBE_EVERY proposals.
+    tried = [n for n, k in enumerate(drafts) if k]
+    assert tried[:4] == [0, 1, 2, 3] and drafts[0] == 4 and not drafts[4]
+    assert [b - a for a, b in itertools.pairwise(tried[3:])] == [PROBE_EVERY] * 3
+    assert all(drafts[n] == 1 for n in tried[4:])
+    # Kept drafts raise the first draft's odds back over the row's cost (after 7 misses, 2 kept
+    # ones: 0.29), then the second's too (3 kept: 0.35 x 0.8), and the drafts grow.
+    kept_probes = 0
+    while (k := (plan := policy.schedule(1)).chunks[0].num_draft_tokens) < 2:
+        if k:
+            kept_probes += 1
+            after = seq.draft_token_ids[-1] % 5 + 1
+            policy.update(plan, {"a": after}, accepted={"a": seq.draft_token_ids})
+        else:
             policy.update(plan, {"a": next_in_cycle()})
-            policy.kv.check_integrity()
-            plain += 1
-        waits.append(plain)
-    assert waits == [1, 2, 4]
-    assert seq.num_draft_misses == 3
-    kept = seq.draft_token_ids[:1]
-    policy.update(plan, {"a": 9}, accepted={"a": kept})
-    assert (seq.num_draft_misses, seq.draft_pause) == (0, 0)  # a kept draft: no more waiting
-    policy.kv.check_integrity()
+        policy.kv.check_integrity()
+    assert misses == 7 and kept_probes == 3
+
+
+def test_the_odds_count_each_draft_given_those_before_it_and_forget_slowly():
+    odds = DraftOdds()
+    assert odds.chance(2, 0) == odds.chance(7, 30) == 0.8  # the prior, for every kind
+    odds.record(2, num_verified=5, num_kept=2)  # drafts 0, 1 kept, 2 refused, 3-4 never judged
+    assert odds.counts == {(2, 0): [1, 1], (2, 1): [1, 1], (2, 2): [0, 1]}
+    odds.record(2, num_verified=2, num_kept=2)  # all kept: the token after is the model's own
+    assert odds.counts[(2, 1)] == [2, 2] and (2, 2) in odds.counts
+    assert odds.chance(4, 0) == 0.8  # kinds apart: a 4-token tail's odds are its own
+    for _ in range(1000):
+        odds.record(1, num_verified=1, num_kept=0)
+    kept, tried = odds.counts[(1, 0)]
+    assert kept == 0 and tried < 256  # halved past the window: recent verifications weigh most
+    assert odds.chance(1, 0) < 0.05
+
+
+def test_a_sequence_s_own_verifications_move_its_odds_away_from_the_engine_s():
+    odds, quoting, rambling = DraftOdds(), {}, {}
+    for _ in range(20):
+        odds.record(4, num_verified=3, num_kept=3, own=quoting)
+        odds.record(4, num_verified=3, num_kept=0, own=rambling)
+    engine = odds.chance(4, 0)  # half kept, over both
+    assert odds.chance(4, 0, rambling) < engine / 2 < engine < odds.chance(4, 0, quoting)
+    assert rambling[(4, 0)][1] < 16  # halved sooner than the engine's: its text now is what counts
+    assert odds.chance(4, 1, rambling) == odds.chance(4, 1)  # never judged there: the engine's
+    assert odds.paying(4, 7, 0.25, rambling) == 0 < odds.paying(4, 7, 0.25, quoting)
+
+
+def test_the_drafts_that_pay_are_those_whose_odds_clear_the_break_even():
+    odds = DraftOdds()  # 0.8 a position: 0.8, 0.64, 0.51, 0.41, 0.33, 0.26, 0.21
+    assert [odds.paying(3, 7, b) for b in (0.0, 0.2, 0.3, 0.5, 0.9)] == [7, 7, 5, 3, 0]
+    spec = SpeculativeConfig("ngram", draft_row_cost=0.1)
+    assert spec.break_even(1) == pytest.approx(0.1)  # alone: a draft kept 1 time in 10 pays
+    evens = [spec.break_even(b) for b in (1, 2, 4, 8)]
+    assert evens == sorted(evens) and evens[-1] == pytest.approx(0.8 / 1.7)
+    assert SpeculativeConfig("ngram", draft_row_cost=0.0).break_even(8) == 0.0
+    with pytest.raises(ValueError, match="draft_row_cost"):
+        SpeculativeConfig("ngram", draft_row_cost=1.5)
+    # In a fuller batch the same proposal is cut shorter.
+    alone, crowded = odds.paying(3, 7, spec.break_even(1)), odds.paying(3, 7, spec.break_even(6))
+    assert alone == 7 and crowded < alone

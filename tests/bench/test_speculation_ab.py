@@ -1,0 +1,52 @@
+"""bench.speculation_ab: speculation off and on, one process, the order flipping by round."""
+
+import json
+
+import pytest
+
+from bench.speculation_ab import format_row, main, run_ab
+from bench.trace import trace_requests
+from engine.config import EngineConfig
+from engine.models.model_loader import load_model
+
+# Prompts that repeat themselves, so prompt lookup has drafts to propose.
+REQUESTS = [
+    {"id": i, "prompt_ids": [5, 9, 14, 5, 9, 14, 5, 9, 14 + i], "output_len": 12, "arrival_s": 0.0}
+    for i in range(2)
+]
+
+
+def _trace(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"meta": {}, "requests": REQUESTS}))
+    return path
+
+
+def test_both_modes_run_every_round_with_the_same_greedy_tokens():
+    config = EngineConfig(model="tiny-random", kv_cache_memory="16MiB", max_num_seqs=1)
+    loaded = load_model(config.model, config.torch_device, config.torch_dtype, config.cache_dir)
+    said = []
+    report = run_ab(config, loaded, trace_requests({"requests": REQUESTS}), "ngram", 2, said.append)
+    assert said[0].startswith("round 1 --speculative none") and said[2].startswith(
+        "round 2 --speculative ngram"
+    )  # the order flips
+    assert report.same_tokens
+    assert len(report.off.tokens_per_s) == len(report.on.tokens_per_s) == 2
+    assert report.off.kept is None and report.off.tokens_per_step == 1.0
+    assert report.on.kept is not None and report.on.tokens_per_step >= 1.0
+    row = format_row("tiny", report, one_at_a_time=True)
+    assert row.startswith("| tiny | ") and row.count(" | ") == 6
+    with pytest.raises(ValueError, match="rounds"):
+        run_ab(config, loaded, trace_requests({"requests": REQUESTS}), "ngram", 0)
+
+
+def test_the_command_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "ab.json"
+    argv = ["--trace", str(_trace(tmp_path)), "--model", "tiny-random", "--rounds", "1"]
+    main([*argv, "--speculative", "ngram", "--max-num-seqs", "1", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert report["same_tokens"] and len(report["round_speed_ups"]) == 1
+    assert report["off"]["mode"] == "none" and report["on"]["mode"] == "ngram"
+    assert "same tokens with and without speculation: True" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # none against none compares nothing
+        main([*argv, "--speculative", "none"])

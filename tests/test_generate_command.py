@@ -1,4 +1,4 @@
-"""`jitney generate`: a bad sampling value fails before the model loads."""
+"""`jitney generate`: a bad sampling value or engine flag fails before the model loads."""
 
 from __future__ import annotations
 
@@ -18,4 +18,11 @@ def test_bad_sampling_value_is_a_clear_error_before_loading():
     result = jitney_generate(*TINY, "--temperature", "-1", "hello")
     assert result.returncode != 0
     assert "temperature must be a finite number >= 0" in result.stderr
+    assert "model ready" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_engine_flag_is_a_clear_error_before_loading():
+    result = jitney_generate(*TINY, "--speculative-draft-row-cost", "2", "hello")
+    assert result.returncode != 0
+    assert "generate: speculative draft_row_cost must be within [0, 1]" in result.stderr
     assert "model ready" not in result.stderr and "Traceback" not in result.stderr

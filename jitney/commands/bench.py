@@ -399,7 +399,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:  # engine flags out of range: before anything loads
+        raise SystemExit(f"bench offline: {e}") from None
     requests = load_trace(args.trace, args.limit)
     policies = [p for p in args.policies.split(",") if p]
     baselines = [] if args.baseline == "none" else [b for b in args.baseline.split(",") if b]

@@ -34,13 +34,14 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=tuple(args.stop),
         )
+        config = engine_config_from_args(args)  # bad engine flags too
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    engine = Engine(engine_config_from_args(args), progress=progress)
+    engine = Engine(config, progress=progress)
     tok = engine.loaded.tokenizer
     if args.raw:
         prompts = [tok.encode(p) for p in args.prompts]

@@ -74,6 +74,22 @@ def test_a_trace_outside_the_vocabulary_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "never.json").exists()
 
 
+def test_an_engine_flag_out_of_range_is_refused_before_anything_loads(tmp_path):
+    args = ["bench", "offline", "--model", "tiny-random", "--speculative-max-step-tokens", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jitney.cli", *args, "--output", str(tmp_path / "never.json")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "bench offline: speculative max_step_tokens must be >= 2 (a token and a draft)"
+    )
+    assert not (tmp_path / "never.json").exists()
+
+
 def test_an_unknown_baseline_is_refused_by_name(tiny_trace, tmp_path):
     args = ["bench", "offline", "--model", "tiny-random", "--trace", str(tiny_trace)]
     with pytest.raises(SystemExit) as exc:

@@ -143,6 +143,9 @@ def run_jitney(
                 if stats.num_draft_tokens_total
                 else None
             ),
+            # The row cost the policy priced drafts at when the run ended (measured, unless
+            # --speculative-draft-row-cost fixed it).
+            "spec_row_cost": engine.view.draft_row_cost,
             # Decode steps by the drafts they verified (none: no step verified any).
             "steps_by_drafts": (
                 {d: e.summary() for d, e in sorted(by_drafts.items())}
@@ -296,7 +299,8 @@ def format_draft_table(ours: list[RunResult]) -> str:
         if not rows:
             continue
         lines += [
-            f"{r.name}: decode steps by drafts verified",
+            f"{r.name}: decode steps by drafts verified (a draft row priced at "
+            f"{r.extra['spec_row_cost']:.2f} of a step when the run ended)",
             f"{'drafts':>8} {'steps':>7} {'ms/step':>8} {'forward':>8} {'kept':>6}",
         ]
         for drafts, e in rows.items():

@@ -145,6 +145,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--speculative", default="auto", help="the mode compared with none")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="default: the engine's")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="default: the engine's")
+    p.add_argument(
+        "--speculative-draft-row-cost",
+        type=float,
+        default=None,
+        help="fixes a draft row's cost (default: the engine measures it)",
+    )
     p.add_argument("--limit", type=int, default=None, help="the trace's first N requests")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -160,8 +168,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     requests = load_trace(args.trace, args.limit)
     config = EngineConfig(model=args.model)
-    if args.max_num_seqs is not None:
-        config = replace(config, max_num_seqs=args.max_num_seqs)
+    overrides = {
+        name: value
+        for name in (
+            "max_num_seqs",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "speculative_draft_row_cost",
+        )
+        if (value := getattr(args, name)) is not None
+    }
+    try:
+        config = replace(config, **overrides)
+    except ValueError as e:
+        p.error(str(e))
     loaded = load_model(config.model, config.torch_device, config.torch_dtype, config.cache_dir)
 
     def say(message: str) -> None:

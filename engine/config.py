@@ -66,9 +66,11 @@ class EngineConfig:
     # engine/startup.py), else SPEC.max_step_tokens.
     speculative_max_step_tokens: int | None = None
     # What one more row costs as a share of a one-row step: drafts are verified only while
-    # their measured odds of being kept pay for it (scheduler/speculation/odds.py); None: the
-    # measured cost of the CPU kernels' level where the forward is quantized (draft_row_cost
-    # in engine/startup.py), else SPEC.draft_row_cost; 0: every draft the other limits allow.
+    # their measured odds of being kept pay for it (scheduler/speculation/odds.py); None:
+    # measured by the engine from its own decode steps (scheduler/speculation/row_cost.py),
+    # starting from the CPU kernels' level's figure where the forward is quantized
+    # (draft_row_cost in engine/startup.py), else SPEC.draft_row_cost; a number fixes it (0:
+    # every draft the other limits allow).
     speculative_draft_row_cost: float | None = None
     # A draft model proposes instead (vLLM's --speculative-model): a small model with the
     # target's tokenizer, greedy on its own KV pool (engine/draft_model.py); implies "draft".
@@ -188,6 +190,8 @@ class EngineConfig:
                 self.prompt_lookup_min,
                 _first_set(max_step_tokens, self.speculative_max_step_tokens, SPEC.max_step_tokens),
                 _first_set(draft_row_cost, self.speculative_draft_row_cost, SPEC.draft_row_cost),
+                # Unless configured, the engine measures it from its steps (that start is a guess).
+                measure_row_cost=self.speculative_draft_row_cost is None,
             ),
         )
 

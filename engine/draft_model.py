@@ -38,7 +38,7 @@ from scheduler import (
     Sequence,
     StepPlan,
 )
-from scheduler.speculation import MODEL_KIND, DraftOdds, Proposal
+from scheduler.speculation import MODEL_KIND, DraftOdds, Proposal, RowCost, break_even
 
 logger = logging.getLogger("jitney.engine.draft")
 
@@ -110,6 +110,7 @@ class DraftModel:
         # The policy's odds (the engine shares them): passes past the drafts they pay for are
         # not run.
         self.odds = DraftOdds()
+        self.row_cost = RowCost(self.spec.draft_row_cost)  # and its row cost
         self.max_model_len = loaded.max_model_len
         self.max_catch_up_tokens = config.max_num_batched_tokens  # per step, over all mirrors
         self.vocab_size = vocab_size  # the target's: ids past it (a padded head's) never proposed
@@ -148,7 +149,9 @@ class DraftModel:
         k = min(self.spec.num_drafts(seq, rows), self.max_model_len - seq.num_tokens)
         # As many as pay at this batch (`rows`: one per running sequence); at least the first,
         # which the catch-up pass gives anyway (and the policy's probe may verify).
-        paying = self.odds.paying(MODEL_KIND, k, self.spec.break_even(rows), seq.draft_counts)
+        paying = self.odds.paying(
+            MODEL_KIND, k, break_even(self.row_cost.cost, rows), seq.draft_counts
+        )
         return min(k, max(paying, 1))
 
     def _catch_up(self, wanted: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:

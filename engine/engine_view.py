@@ -101,6 +101,12 @@ class EngineView:
         scheduler/policies/base.py)."""
         return self._engine.policy.preemptible_priority()
 
+    @property
+    def draft_row_cost(self) -> float:
+        """What a draft row costs as a share of a one-row step: measured from the engine's
+        decode steps unless configured (scheduler/speculation/row_cost.py)."""
+        return self._engine.policy.row_cost.cost
+
     # ----- KV blocks -----------------------------------------------------------------------
     @property
     def kv_total_blocks(self) -> int:

@@ -113,6 +113,7 @@ class Engine:
         proposer = self.drafter or policy.proposer
         if self.drafter is not None:  # it drafts only as far as the policy's odds will verify
             self.drafter.odds = policy.odds
+            self.drafter.row_cost = policy.row_cost
         if proposer is not None:  # drafts a grammar refuses are cut before the scheduler's plan
             policy.proposer = GrammarChecked(proposer, self.choices)
         return blocks, policy
@@ -280,6 +281,8 @@ class Engine:
         outputs = self._postprocess(plan, result)
         clock.lap("postprocess")
         self.last_step_timing = clock.timing
+        if plan.chunks and not any(chunk.is_prefill for chunk in plan.chunks):
+            self.policy.row_cost.observe(plan.num_batched_tokens, clock.timing.total)
         self._check_pool_if_idle()
         return outputs
 

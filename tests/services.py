@@ -184,8 +184,9 @@ class Worker:
     worker_id: str
     metrics_port: int
 
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
+    def metric(self, name: str, *, required: bool = False, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 when none; with
+        `required`, none fails the test)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
@@ -195,12 +196,14 @@ class Worker:
             # being polled until a timeout.
             assert self.proc.alive(), f"{self.worker_id} exited:\n{self.proc.output()}"
             raise
-        return sum(
+        values = [
             sample.value
             for family in text_string_to_metric_families(text)
             for sample in family.samples
             if sample.name == name and labels.items() <= sample.labels.items()
-        )
+        ]
+        assert values or not required, f"{self.worker_id} exports no {name} {labels}"
+        return sum(values)
 
 
 def start_worker(

@@ -331,6 +331,7 @@ class WorkerService:
         now = time.monotonic()
         self.metrics.observe_step(e.stats, now - start)
         self.metrics.observe_phases(e.last_step_timing)
+        self.metrics.observe_row_cost(e.view.draft_row_cost)
         self.state.last_step_empty = e.stats.batch_size == 0
         if self.book.traces is not None:  # tracing on: before the book ends requests
             self.book.traces.on_step(e.view, e.stats, outputs, start, now)

@@ -190,6 +190,11 @@ class WorkerMetrics:
         self.spec_accepted_tokens = counter(
             "jitney_spec_decode_num_accepted_tokens", "Draft tokens the model accepted"
         )
+        self.spec_row_cost = gauge(
+            "jitney_spec_decode_draft_row_cost",
+            "What a draft row costs as a share of a one-row step, as the policy prices it now "
+            "(measured from the engine's decode steps unless configured)",
+        )
         # Per finished choice that verified drafts: how its speculation went.
         self.spec_request_acceptance = hist(
             "jitney_spec_decode_request_acceptance_ratio",
@@ -286,6 +291,9 @@ class WorkerMetrics:
             if new > old:
                 child.inc(new - old)
         self._last_totals = totals
+
+    def observe_row_cost(self, cost: float) -> None:
+        self.spec_row_cost.set(cost)
 
     def observe_phases(self, timing: StepTiming) -> None:
         for phase, seconds in timing.as_dict().items():

@@ -153,9 +153,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=engine["speculative_draft_row_cost"],
         metavar="C",
         help="what one more row costs as a share of a one-row step: drafts are verified only "
-        "while their measured odds of being kept pay for their rows (default: measured per "
-        "CPU kernel level where the weights are quantized, 0.11 on AVX-512 and AMX, 0.22 on "
-        "AVX2; else 0.1; 0: every draft the other limits allow)",
+        "while their measured odds of being kept pay for their rows (default: measured from "
+        "the engine's own decode steps, starting from the CPU kernel level's figure where the "
+        "weights are quantized, 0.1-0.11 on AVX-512 and AMX, 0.22-0.25 on AVX2, else 0.1; a "
+        "number fixes it; 0: every draft the other limits allow)",
     )
     g.add_argument(
         "--max-model-len",

@@ -21,7 +21,14 @@ from scheduler.block_manager import KVBlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.plan import ScheduledChunk, SchedulerStats, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculation import DraftOdds, NgramProposer, Proposal, Proposer, SpeculativeConfig
+from scheduler.speculation import (
+    DraftOdds,
+    NgramProposer,
+    Proposal,
+    Proposer,
+    RowCost,
+    SpeculativeConfig,
+)
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -47,6 +54,10 @@ class BatchingPolicy(ABC):
         self.proposer: Proposer | None = _proposer_for(config.speculative)
         # How often each kind of proposal's drafts are kept: how many of them a step verifies.
         self.odds = DraftOdds()
+        # What a draft row costs a step here, against which the odds must pay (the engine
+        # reports its steps when it measures it).
+        spec = config.speculative
+        self.row_cost = RowCost(spec.draft_row_cost, spec.measure_row_cost)
 
     # ----- requests in and out -----------------------------------------------------------------
     def add_request(self, seq: Sequence, front: bool = False) -> None:

@@ -32,7 +32,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.plan import StepLimit, StepPlan
 from scheduler.policies.base import BatchingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculation import Proposal
+from scheduler.speculation import Proposal, break_even
 
 logger = logging.getLogger("jitney.scheduler")
 
@@ -115,7 +115,7 @@ class ContinuousBatching(BatchingPolicy):
         if room < 1:
             return None
         proposal = self.proposer.propose(seq, room)
-        even = spec.break_even(len(self.running))
+        even = break_even(self.row_cost.cost, len(self.running))
         worth = self.odds.worth(proposal.kind, len(proposal), even, seq.draft_counts)
         if not worth:
             return None

@@ -5,11 +5,22 @@ token and its k drafts as one chunk of k + 1 query tokens, and the engine keeps 
 prefix of drafts the target model itself would have produced (engine/speculative.py). The
 n-gram proposer (prompt lookup) is pure and lives here; a draft model (engine/draft_model.py)
 plugs into the same `Proposer` seam from the engine, as a learned head (EAGLE, MTP) would.
-How many of a proposal's drafts a step verifies is the measured odds' call (odds.py).
+How many of a proposal's drafts a step verifies is the measured odds' call (odds.py), against
+what a row costs this machine (row_cost.py).
 """
 
 from scheduler.speculation.ngram import NgramProposer
 from scheduler.speculation.odds import MODEL_KIND, DraftOdds
 from scheduler.speculation.proposer import Proposal, Proposer, SpeculativeConfig
+from scheduler.speculation.row_cost import RowCost, break_even
 
-__all__ = ["MODEL_KIND", "DraftOdds", "NgramProposer", "Proposal", "Proposer", "SpeculativeConfig"]
+__all__ = [
+    "MODEL_KIND",
+    "DraftOdds",
+    "NgramProposer",
+    "Proposal",
+    "Proposer",
+    "RowCost",
+    "SpeculativeConfig",
+    "break_even",
+]

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from scheduler.speculation.row_cost import break_even
+
 if TYPE_CHECKING:
     from scheduler.sequence import Sequence
 
@@ -37,10 +39,13 @@ class SpeculativeConfig:
     # weight read to far more rows.
     max_step_tokens: int = 8
     # What one more row costs, as a share of a one-row step: a draft is verified only while the
-    # odds of keeping it pay for its row (scheduler/speculation/odds.py). About 0.1 on the
-    # AVX-512 and AMX kernels, 0.2 on AVX2's (engine/kernels/build.py DRAFT_ROW_COST); 0: every
-    # draft the other limits allow.
+    # odds of keeping it pay for its row (scheduler/speculation/odds.py). 0.1-0.25 on the CPU
+    # kernels (engine/kernels/build.py DRAFT_ROW_COST; with measure_row_cost only the start);
+    # 0: every draft the other limits allow.
     draft_row_cost: float = 0.1
+    # Whether the engine measures the row's cost from its own steps, draft_row_cost only the
+    # starting guess (row_cost.py): on when no cost was configured.
+    measure_row_cost: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -75,13 +80,9 @@ class SpeculativeConfig:
         return max(room, 0)
 
     def break_even(self, batch: int) -> float:
-        """The chance of being kept at which a draft row pays for itself in a step that decodes
-        `batch` sequences. With c the row cost, such a step costs 1 + c (batch - 1) one-row
-        steps, so a token costs (1 + c (batch - 1)) / batch of one; a kept draft saves a token,
-        a row costs c. Alone (batch 1) a draft pays when kept a share c of the time; in a fuller
-        batch tokens are cheaper, and drafts must be likelier."""
-        c = self.draft_row_cost
-        return c * batch / (1 + c * (batch - 1))
+        """row_cost.break_even at the configured row cost (the policy's measured one moves
+        away from it: `BatchingPolicy.row_cost`)."""
+        return break_even(self.draft_row_cost, batch)
 
 
 @dataclass(slots=True, frozen=True)

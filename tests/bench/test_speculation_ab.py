@@ -50,3 +50,20 @@ def test_the_command_writes_its_report(tmp_path, capsys):
     assert "same tokens with and without speculation: True" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # none against none compares nothing
         main([*argv, "--speculative", "none"])
+
+
+def test_the_speculation_settings_it_is_given_reach_the_engine_or_are_refused(tmp_path, capsys):
+    argv = ["--trace", str(_trace(tmp_path)), "--model", "tiny-random", "--rounds", "1"]
+    steps = {}
+    for cost in ("0", "1"):  # every draft verified; only the odds' probes
+        out = tmp_path / f"ab-{cost}.json"
+        settings = ["--prompt-lookup-min", "1", "--speculative-draft-row-cost", cost]
+        main([*argv, *settings, "--max-num-seqs", "1", "--output", str(out)])
+        report = json.loads(out.read_text())
+        assert report["same_tokens"]
+        steps[cost] = report["on"]["tokens_per_step"]
+    assert steps["0"] > steps["1"] >= 1
+    for bad in (["--prompt-lookup-min", "0"], ["--speculative-draft-row-cost", "2"]):
+        with pytest.raises(SystemExit):
+            main([*argv, *bad])
+        assert "error:" in capsys.readouterr().err

@@ -145,3 +145,27 @@ def test_sampled_rows_speculate_and_follow_the_model_s_distribution(
     expected = [p * len(seconds) for p in probs]
     chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected, strict=True))
     assert chi2 < 18.47, (counts, expected)  # the 0.999 quantile of chi-square(4)
+
+
+def test_the_engine_prices_a_draft_row_from_its_own_decode_steps(loaded: LoadedModel):
+    """Unless a cost is configured, every decode-only step is reported with its rows (its
+    sequences and their drafts), a step with a prefill chunk never; a configured cost stays."""
+    engine = make_engine(loaded, kv_cache_memory="16MiB", speculative="ngram")
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    stats, expected, verified = engine.stats, {}, 0
+    while engine.has_unfinished():
+        drafted = stats.num_draft_tokens_total
+        engine.step()
+        drafts = stats.num_draft_tokens_total - drafted
+        if stats.num_batched_tokens == stats.batch_size + drafts:  # decodes only
+            expected[stats.num_batched_tokens] = expected.get(stats.num_batched_tokens, 0) + 1
+            verified += drafts > 0
+    seen = {rows: steps for rows, (steps, _) in engine.policy.row_cost.means.items()}
+    assert seen == expected and verified  # steps with drafts among them
+    assert 0.0 <= engine.view.draft_row_cost <= 1.0
+    fixed = make_engine(
+        loaded, kv_cache_memory="16MiB", speculative="ngram", speculative_draft_row_cost=0.3
+    )
+    run(fixed, [(p, GREEDY) for p in PROMPTS])
+    assert fixed.view.draft_row_cost == 0.3 and not fixed.policy.row_cost.means

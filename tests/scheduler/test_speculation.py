@@ -16,8 +16,9 @@ from scheduler import (
     SequenceStatus,
     SpeculativeConfig,
 )
-from scheduler.speculation import DraftOdds, NgramProposer
+from scheduler.speculation import DraftOdds, NgramProposer, RowCost
 from scheduler.speculation.odds import PROBE_EVERY
+from scheduler.speculation.row_cost import MIN_STEPS
 
 
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_tail():
@@ -275,3 +276,39 @@ def test_the_drafts_that_pay_are_those_whose_odds_clear_the_break_even():
     # In a fuller batch the same proposal is cut shorter.
     alone, crowded = odds.paying(3, 7, spec.break_even(1)), odds.paying(3, 7, spec.break_even(6))
     assert alone == 7 and crowded < alone
+
+
+def _steps(cost: RowCost, per_row_s: float, one_row_s: float, rows: list[int], n: int) -> None:
+    """n decode steps at each row count, each taking one_row_s + per_row_s a row past one."""
+    for _ in range(n):
+        for r in rows:
+            cost.observe(r, one_row_s + per_row_s * (r - 1))
+
+
+def test_a_row_is_priced_by_the_line_through_the_steps_it_saw():
+    cost = RowCost(0.11, measured=True)
+    _steps(cost, 0.0015, 0.005, [1], 40)
+    assert cost.cost == 0.11  # one row count says nothing about another row
+    _steps(cost, 0.0015, 0.005, [8], MIN_STEPS - 1)
+    assert cost.cost == 0.11  # nor does a count seen too few times
+    _steps(cost, 0.0015, 0.005, [4, 8], 1)
+    assert cost.cost == pytest.approx(0.3)  # 1.5 ms a row on a 5 ms one-row step
+    # The machine slows and rows get dearer: the price follows within a few windows.
+    _steps(cost, 0.003, 0.006, [1, 4, 8], 200)
+    assert cost.cost == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_stalled_step_barely_moves_the_price_and_a_fixed_price_never_moves():
+    cost = RowCost(0.2, measured=True)
+    _steps(cost, 0.001, 0.005, [1, 2, 6], 40)
+    assert cost.cost == pytest.approx(0.2)
+    cost.observe(1, 5.0)  # a thousand times a one-row step: counted as three
+    assert 0.18 < cost.cost < 0.2
+    fixed = RowCost(0.11)
+    _steps(fixed, 0.002, 0.005, [1, 8], 40)
+    assert fixed.cost == 0.11 and not fixed.means
+    # Steps that cost less with more rows (noise, a warming cache) price a row at nothing,
+    # never below.
+    falling = RowCost(0.2, measured=True)
+    _steps(falling, -0.0001, 0.005, [1, 8], 40)
+    assert falling.cost == 0.0

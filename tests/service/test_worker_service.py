@@ -278,6 +278,9 @@ def test_each_request_s_speculation_is_in_its_final_reply_and_the_metrics(stack,
     assert delta[names[1]] == sum(f.accepted_draft_tokens for f in finals)
     speculated = sum(1 for f in finals if f.draft_tokens)
     assert delta[names[2]] == delta[names[3]] == speculated
+    # The row price the policy bets with, measured from the worker's own steps.
+    cost = worker.metric("jitney_spec_decode_draft_row_cost", required=True, worker="w1")
+    assert 0 <= cost <= 1
 
 
 def test_step_phases_are_exported_per_step_and_add_up_to_the_step(stack, replies):

@@ -280,9 +280,10 @@ class Engine:
         result = self._run(plan, clock) if not plan.is_empty else StepResult()
         outputs = self._postprocess(plan, result)
         clock.lap("postprocess")
-        self.last_step_timing = clock.timing
         if plan.chunks and not any(chunk.is_prefill for chunk in plan.chunks):
             self.policy.row_cost.observe(plan.num_batched_tokens, clock.timing.total)
+            clock.lap("postprocess")  # the pricing's own time, so the phases still cover the step
+        self.last_step_timing = clock.timing
         self._check_pool_if_idle()
         return outputs
 

@@ -44,8 +44,8 @@ class SpeculativeConfig:
     # 0: every draft the other limits allow.
     draft_row_cost: float = 0.1
     # Whether the engine measures the row's cost from its own steps, draft_row_cost only the
-    # starting guess (row_cost.py): on when no cost was configured.
-    measure_row_cost: bool = False
+    # starting guess (row_cost.py); off when a cost was configured.
+    measure_row_cost: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -57,7 +57,7 @@ class BatchingPolicy(ABC):
         # What a draft row costs a step here, against which the odds must pay (the engine
         # reports its steps when it measures it).
         spec = config.speculative
-        self.row_cost = RowCost(spec.draft_row_cost, spec.measure_row_cost)
+        self.row_cost = RowCost(spec.draft_row_cost, spec.measure_row_cost, spec.max_step_tokens)
 
     # ----- requests in and out -----------------------------------------------------------------
     def add_request(self, seq: Sequence, front: bool = False) -> None:

@@ -4,7 +4,9 @@ A draft is worth verifying only if its odds pay for its row (odds.py), so the ro
 be this machine's: the kernels' level alone does not tell it (the VNNI one pass costs 0.11 of a
 step per row on an AMX Xeon and 0.2-0.3 on a Zen 4; docs/performance.md). The engine reports
 each decode-only step's rows (its tokens: one per sequence, plus the drafts) and its seconds;
-per row count a running mean is kept, and a line fitted through the means, seconds = a + b rows,
+only steps within the rows a step may spend on drafts count (a fuller batch never speculates,
+and runs the batched kernels, whose rows are priced otherwise); per row count a running mean
+is kept, and a line fitted through the means, seconds = a + b rows,
 prices a row at b / (a + b) of a one-row step. Until two row counts have been seen often enough
 the prior (the kernels' level's measured figure, or the configured one) stands.
 """
@@ -33,6 +35,8 @@ class RowCost:
 
     prior: float
     measured: bool = False
+    # Steps of more rows than this are not counted (SpeculativeConfig.max_step_tokens).
+    max_rows: int = 8
     # rows -> [steps seen, mean seconds]
     means: dict[int, list[float]] = field(default_factory=dict)
     cost: float = field(init=False)
@@ -43,7 +47,7 @@ class RowCost:
     def observe(self, rows: int, seconds: float) -> None:
         """A decode-only step of `rows` rows took `seconds` (a step with a prefill chunk, whose
         cost grows with its context, tells nothing about a draft row and is not reported)."""
-        if not self.measured or rows < 1 or seconds <= 0:
+        if not self.measured or not 1 <= rows <= self.max_rows or seconds <= 0:
             return
         cell = self.means.get(rows)
         if cell is None:

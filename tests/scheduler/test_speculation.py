@@ -304,6 +304,10 @@ def test_a_stalled_step_barely_moves_the_price_and_a_fixed_price_never_moves():
     assert cost.cost == pytest.approx(0.2)
     cost.observe(1, 5.0)  # a thousand times a one-row step: counted as three
     assert 0.18 < cost.cost < 0.2
+    # A batch past the row cap (the batched kernels, never speculating) is not counted.
+    before = cost.cost
+    _steps(cost, 0.0001, 0.005, [32, 64], 40)
+    assert cost.cost == before and set(cost.means) == {1, 2, 6}
     fixed = RowCost(0.11)
     _steps(fixed, 0.002, 0.005, [1, 8], 40)
     assert fixed.cost == 0.11 and not fixed.means

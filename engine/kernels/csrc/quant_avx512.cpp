@@ -139,6 +139,9 @@ inline void configure_tiles() {
     cfg.rows[i] = 16;
     cfg.colsb[i] = 64;
   }
+  // GCC does not see ldtilecfg read the config and may drop stores to it (it dropped the colsb of
+  // a config built like this one in a trial kernel; ldtilecfg then faults): keep them.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 

@@ -43,22 +43,6 @@ class StructuredRun:
     grammar: str  # llguidance grammar (generation.grammar)
 
 
-@dataclass(slots=True)
-class _Clock:
-    """Per-request first-token and completion times, relative to the run's start."""
-
-    start: float
-    ttft: dict[str, float]
-    done: dict[str, float]
-
-    def saw(self, request_id: str, finished: bool, has_tokens: bool) -> None:
-        now = time.perf_counter() - self.start
-        if has_tokens:
-            self.ttft.setdefault(request_id, now)
-        if finished:
-            self.done[request_id] = now
-
-
 def run_jitney(
     config: EngineConfig,
     loaded: LoadedModel,
@@ -71,89 +55,129 @@ def run_jitney(
     `detokenize=False` runs the engine as a worker does: token ids out, the text left to the
     gateway, so the step is what a served step costs. `structured`: every request constrained
     to its grammar (a request ends early when its grammar is complete)."""
-    engine = Engine(config, loaded=loaded)
-    if warmup and requests:
-        engine.generate([requests[0].prompt_ids], SamplingParams(max_tokens=2, temperature=0))
-    clock = _Clock(time.perf_counter(), {}, {})
-    outputs: dict[str, list[int]] = {}
-    ended_by_grammar = 0
-    grammar = None if structured is None else structured.grammar
-    for r in requests:
-        params = SamplingParams(
-            max_tokens=r.output_len,
-            temperature=0,
-            ignore_eos=True,
-            detokenize=detokenize,
-            grammar=grammar,
-        )
-        engine.add_request(r.request_id, r.prompt_ids, params, arrival_time=time.monotonic())
-        outputs[r.request_id] = []
-    engine.flush()
-    steps = peak_blocks = 0
-    phases, step_s = StepTiming(), 0.0
-    made: list[tuple[float, int]] = []  # (seconds from start, tokens so far) after each step
-    by_drafts: dict[int, DraftSteps] = {}
-    stats = engine.stats
-    while engine.has_unfinished():
+    run = TraceRun(config, loaded, requests, warmup, detokenize, structured)
+    while not run.done:
+        run.step()
+    return run.result()
+
+
+class TraceRun:
+    """One engine running a trace (all requests at t=0), a step at a time, then its RunResult.
+
+    Its clock counts only the time spent in its own steps (and in adding the requests): for a
+    run alone that is its wall time; for runs that take steps in turn (bench.speculation_ab's
+    lockstep), each is timed as if the machine were its own, while a drift in the machine's
+    speed falls on both alike."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        requests: Sequence[TraceRequest],
+        warmup: bool = True,
+        detokenize: bool = True,
+        structured: StructuredRun | None = None,
+    ) -> None:
+        self.config, self.detokenize, self.structured = config, detokenize, structured
+        self.engine = engine = Engine(config, loaded=loaded)
+        if warmup and requests:
+            engine.generate([requests[0].prompt_ids], SamplingParams(max_tokens=2, temperature=0))
+        started = time.perf_counter()
+        self.outputs: dict[str, list[int]] = {}
+        grammar = None if structured is None else structured.grammar
+        for r in requests:
+            params = SamplingParams(
+                max_tokens=r.output_len,
+                temperature=0,
+                ignore_eos=True,
+                detokenize=detokenize,
+                grammar=grammar,
+            )
+            engine.add_request(r.request_id, r.prompt_ids, params, arrival_time=time.monotonic())
+            self.outputs[r.request_id] = []
+        engine.flush()
+        self.elapsed = time.perf_counter() - started  # the run's own clock, in seconds
+        self.ttft: dict[str, float] = {}
+        self.finished_at: dict[str, float] = {}
+        self.ended_by_grammar = self.steps = self.peak_blocks = 0
+        self.phases, self.step_s = StepTiming(), 0.0
+        self.made: list[tuple[float, int]] = []  # (own seconds, tokens so far) after each step
+        self.made_total = 0
+        self.by_drafts: dict[int, DraftSteps] = {}
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished()
+
+    def step(self) -> None:
+        engine, stats = self.engine, self.engine.stats
         drafted, accepted = stats.num_draft_tokens_total, stats.num_accepted_tokens_total
         step_start = time.perf_counter()
         step_outputs = engine.step()
         # Less the pool check of the step that left the engine idle (once, not per step).
         seconds = time.perf_counter() - step_start - engine.last_idle_check_s
-        step_s += seconds
-        phases.add(engine.last_step_timing)
+        self.step_s += seconds
+        self.phases.add(engine.last_step_timing)
         drafts = stats.num_draft_tokens_total - drafted
         if stats.num_batched_tokens == stats.batch_size + drafts:  # decodes only, no prefill
-            entry = by_drafts.setdefault(drafts, DraftSteps())
+            entry = self.by_drafts.setdefault(drafts, DraftSteps())
             kept = stats.num_accepted_tokens_total - accepted
             entry.add(seconds, engine.last_step_timing.forward, kept)
+        now = self.elapsed + time.perf_counter() - step_start
         for out in step_outputs:
-            outputs[out.request_id] += out.new_token_ids
-            clock.saw(out.request_id, out.finished, bool(out.new_token_ids))
-            ended_by_grammar += out.finish_reason == "stop"
-        steps += 1
-        peak_blocks = max(peak_blocks, engine.view.kv_used_blocks)
-        made.append((time.perf_counter() - clock.start, sum(len(v) for v in outputs.values())))
-    wall = time.perf_counter() - clock.start
-    useful = sum(len(v) for v in outputs.values())
-    suffix = "" if structured is None else f"+{structured.label}"
-    return RunResult(
-        name=f"jitney-{config.batching}{suffix}",
-        wall_s=wall,
-        num_output_tokens=useful,
-        latencies_s=clock.done,
-        ttft_s=clock.ttft,
-        outputs=outputs,
-        extra={
-            "steps": steps,
-            "slot_util": useful / (steps * config.max_num_seqs) if steps else 0.0,
-            "preemptions": engine.stats.num_preemptions_total,
-            "peak_kv_blocks": peak_blocks,
-            "kv_blocks_total": engine.view.kv_total_blocks,
-            "phase_ms_per_step": _ms_per_step(phases, step_s, steps),
-            "detokenize": detokenize,
-            "ended_by_grammar": ended_by_grammar,
-            "decode_attention": engine.decode_attention,
-            "cuda_graphs": _graphs_report(engine),
-            "tail_s": _tail_s(made, wall),
-            "spec_draft_tokens": stats.num_draft_tokens_total,
-            "spec_accepted_tokens": stats.num_accepted_tokens_total,
-            "spec_acceptance": (
-                stats.num_accepted_tokens_total / stats.num_draft_tokens_total
-                if stats.num_draft_tokens_total
-                else None
-            ),
-            # The row cost the policy priced drafts at when the run ended (measured, unless
-            # --speculative-draft-row-cost fixed it).
-            "spec_row_cost": engine.view.draft_row_cost,
-            # Decode steps by the drafts they verified (none: no step verified any).
-            "steps_by_drafts": (
-                {d: e.summary() for d, e in sorted(by_drafts.items())}
-                if any(by_drafts.keys() - {0})
-                else None
-            ),
-        },
-    )
+            self.outputs[out.request_id] += out.new_token_ids
+            self.made_total += len(out.new_token_ids)
+            if out.new_token_ids:
+                self.ttft.setdefault(out.request_id, now)
+            if out.finished:
+                self.finished_at[out.request_id] = now
+            self.ended_by_grammar += out.finish_reason == "stop"
+        self.steps += 1
+        self.peak_blocks = max(self.peak_blocks, engine.view.kv_used_blocks)
+        self.elapsed += time.perf_counter() - step_start
+        self.made.append((self.elapsed, self.made_total))
+
+    def result(self) -> RunResult:
+        engine, stats, config, steps = self.engine, self.engine.stats, self.config, self.steps
+        useful, wall = self.made_total, self.elapsed
+        suffix = "" if self.structured is None else f"+{self.structured.label}"
+        return RunResult(
+            name=f"jitney-{config.batching}{suffix}",
+            wall_s=wall,
+            num_output_tokens=useful,
+            latencies_s=self.finished_at,
+            ttft_s=self.ttft,
+            outputs=self.outputs,
+            extra={
+                "steps": steps,
+                "slot_util": useful / (steps * config.max_num_seqs) if steps else 0.0,
+                "preemptions": stats.num_preemptions_total,
+                "peak_kv_blocks": self.peak_blocks,
+                "kv_blocks_total": engine.view.kv_total_blocks,
+                "phase_ms_per_step": _ms_per_step(self.phases, self.step_s, steps),
+                "detokenize": self.detokenize,
+                "ended_by_grammar": self.ended_by_grammar,
+                "decode_attention": engine.decode_attention,
+                "cuda_graphs": _graphs_report(engine),
+                "tail_s": _tail_s(self.made, wall),
+                "spec_draft_tokens": stats.num_draft_tokens_total,
+                "spec_accepted_tokens": stats.num_accepted_tokens_total,
+                "spec_acceptance": (
+                    stats.num_accepted_tokens_total / stats.num_draft_tokens_total
+                    if stats.num_draft_tokens_total
+                    else None
+                ),
+                # The row cost the policy priced drafts at when the run ended (measured, unless
+                # --speculative-draft-row-cost fixed it).
+                "spec_row_cost": engine.view.draft_row_cost,
+                # Decode steps by the drafts they verified (none: no step verified any).
+                "steps_by_drafts": (
+                    {d: e.summary() for d, e in sorted(self.by_drafts.items())}
+                    if any(self.by_drafts.keys() - {0})
+                    else None
+                ),
+            },
+        )
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's speculation table: three traces, each with speculation off (`--speculative none`)
-# and on (the default), run after run in one process per trace (bench/speculation_ab.py: the
-# weights loaded once, the order flipping every round), so a machine whose speed drifts moves
-# both alike. Run it on a quiet machine:
+# and on (the default) in one process per trace (bench/speculation_ab.py: the weights loaded
+# once, the two engines taking steps in turn, each timed by its own steps, who goes first
+# flipping every round), so a machine whose speed drifts moves both alike. Run it on a quiet
+# machine:
 #   bench/speculation_tables.sh OUT_DIR [ROUNDS]
 # - quoting: bench/traces/quoting.json, one request at a time (8 prompts whose answers quote them)
 # - one user: a 134-token random prompt, 256 tokens (the forward section's one-user trace)

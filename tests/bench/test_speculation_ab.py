@@ -1,10 +1,14 @@
-"""bench.speculation_ab: speculation off and on, one process, the order flipping by round."""
+"""bench.speculation_ab: speculation off and on, one process, the order flipping by round;
+by default the two engines take steps in turn, each timed by its own steps."""
 
 import json
+import time
+from dataclasses import replace
 
 import pytest
 
-from bench.speculation_ab import format_row, main, run_ab
+from bench.offline import TraceRun, run_jitney
+from bench.speculation_ab import check_pairing, format_row, main, run_ab, run_in_turn
 from bench.trace import trace_requests
 from engine.config import EngineConfig
 from engine.models.model_loader import load_model
@@ -40,16 +44,65 @@ def test_both_modes_run_every_round_with_the_same_greedy_tokens():
         run_ab(config, loaded, trace_requests({"requests": REQUESTS}), "ngram", 0)
 
 
+def _tiny():
+    config = EngineConfig(model="tiny-random", kv_cache_memory="16MiB", max_num_seqs=1)
+    return config, load_model(config.model, config.torch_device, config.torch_dtype, None)
+
+
+def test_engines_in_turn_give_what_each_gives_alone_each_timed_by_its_own_steps():
+    config, loaded = _tiny()
+    requests = trace_requests({"requests": REQUESTS})
+    configs = [replace(config, speculative=m) for m in ("none", "ngram")]
+    runs = [TraceRun(c, loaded, requests) for c in configs]
+    before = [run.elapsed for run in runs]  # adding the requests
+    started = time.perf_counter()
+    run_in_turn(runs)
+    stepping = time.perf_counter() - started
+    off, on = (run.result() for run in runs)
+    alone_runs = [run_jitney(c, loaded, requests) for c in configs]
+    for alone, in_turn in zip(alone_runs, (off, on), strict=True):
+        assert in_turn.outputs == alone.outputs
+        assert in_turn.extra["steps"] == alone.extra["steps"]
+    assert off.extra["spec_draft_tokens"] == 0 < on.extra["spec_draft_tokens"]
+    # Each clock counts its own steps only: together they fit in the time both took stepping
+    # (a clock that counted the other's steps too would take about all of it).
+    own = [r.wall_s - b for r, b in zip((off, on), before, strict=True)]
+    assert all(s > 0 for s in own) and sum(own) <= stepping
+    assert max(off.latencies_s.values()) <= off.wall_s
+
+
+def test_both_pairings_give_the_same_tokens_and_a_bad_pairing_is_refused():
+    config, loaded = _tiny()
+    requests = trace_requests({"requests": REQUESTS})
+    reports = [
+        run_ab(config, loaded, requests, "ngram", 1, pairing=p) for p in ("lockstep", "runs")
+    ]
+    assert all(r.same_tokens for r in reports)
+    assert reports[0].on.kept == reports[1].on.kept  # greedy: the same drafts, the same verdicts
+    with pytest.raises(ValueError, match="pairing must be one of"):
+        run_ab(config, loaded, requests, "ngram", 1, pairing="interleaved")
+    # On a GPU the second engine's pool would be sized by what the first left free.
+    gpu = replace(config, device="cuda", kv_cache_memory=None)
+    with pytest.raises(ValueError, match="lockstep on a GPU needs --kv-cache-memory"):
+        check_pairing(gpu, "lockstep")
+    check_pairing(gpu, "runs")
+    check_pairing(replace(gpu, kv_cache_memory="1GiB"), "lockstep")
+
+
 def test_the_command_writes_its_report(tmp_path, capsys):
     out = tmp_path / "ab.json"
     argv = ["--trace", str(_trace(tmp_path)), "--model", "tiny-random", "--rounds", "1"]
     main([*argv, "--speculative", "ngram", "--max-num-seqs", "1", "--output", str(out)])
     report = json.loads(out.read_text())
     assert report["same_tokens"] and len(report["round_speed_ups"]) == 1
+    assert report["args"]["pairing"] == "lockstep"
+    assert len(report["on"]["row_costs"]) == 1 and 0 <= report["on"]["row_costs"][0] <= 1
     assert report["off"]["mode"] == "none" and report["on"]["mode"] == "ngram"
     assert "same tokens with and without speculation: True" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # none against none compares nothing
         main([*argv, "--speculative", "none"])
+    with pytest.raises(SystemExit):
+        main([*argv, "--pairing", "interleaved"])
 
 
 def test_the_speculation_settings_it_is_given_reach_the_engine_or_are_refused(tmp_path, capsys):
@@ -62,6 +115,7 @@ def test_the_speculation_settings_it_is_given_reach_the_engine_or_are_refused(tm
         report = json.loads(out.read_text())
         assert report["same_tokens"]
         steps[cost] = report["on"]["tokens_per_step"]
+        assert report["on"]["row_costs"] == [float(cost)]  # fixed, not measured
     assert steps["0"] > steps["1"] >= 1
     for bad in (["--prompt-lookup-min", "0"], ["--speculative-draft-row-cost", "2"]):
         with pytest.raises(SystemExit):

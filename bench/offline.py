@@ -50,12 +50,15 @@ def run_jitney(
     warmup: bool = True,
     detokenize: bool = True,
     structured: StructuredRun | None = None,
+    stop_at_eos: bool = False,
 ) -> RunResult:
     """Run the trace through the engine with `config.batching`; all requests at t=0.
     `detokenize=False` runs the engine as a worker does: token ids out, the text left to the
     gateway, so the step is what a served step costs. `structured`: every request constrained
-    to its grammar (a request ends early when its grammar is complete)."""
-    run = TraceRun(config, loaded, requests, warmup, detokenize, structured)
+    to its grammar (a request ends early when its grammar is complete). `stop_at_eos`: a
+    request also ends at its first EOS, as a user's reply does (else it makes exactly its
+    `output_len` tokens)."""
+    run = TraceRun(config, loaded, requests, warmup, detokenize, structured, stop_at_eos)
     while not run.done:
         run.step()
     return run.result()
@@ -77,6 +80,7 @@ class TraceRun:
         warmup: bool = True,
         detokenize: bool = True,
         structured: StructuredRun | None = None,
+        stop_at_eos: bool = False,
     ) -> None:
         self.config, self.detokenize, self.structured = config, detokenize, structured
         self.engine = engine = Engine(config, loaded=loaded)
@@ -89,7 +93,7 @@ class TraceRun:
             params = SamplingParams(
                 max_tokens=r.output_len,
                 temperature=0,
-                ignore_eos=True,
+                ignore_eos=not stop_at_eos,
                 detokenize=detokenize,
                 grammar=grammar,
             )

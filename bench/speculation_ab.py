@@ -80,8 +80,10 @@ def run_ab(
     rounds: int,
     say: Callable[[str], None] = lambda _: None,
     pairing: str = "lockstep",
+    stop_at_eos: bool = False,
 ) -> ABReport:
-    """`rounds` runs of the trace with speculation off and with `mode`, paired by `pairing`."""
+    """`rounds` runs of the trace with speculation off and with `mode`, paired by `pairing`;
+    `stop_at_eos`: each reply also ends at its first EOS (else at exactly its output length)."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     check_pairing(config, pairing)
@@ -90,11 +92,11 @@ def run_ab(
         order = (OFF, mode) if r % 2 == 0 else (mode, OFF)
         configs = [replace(config, speculative=m) for m in order]
         if pairing == "lockstep":
-            in_turn = [TraceRun(c, loaded, requests) for c in configs]
+            in_turn = [TraceRun(c, loaded, requests, stop_at_eos=stop_at_eos) for c in configs]
             run_in_turn(in_turn)
             results = [run.result() for run in in_turn]
         else:
-            results = [run_jitney(c, loaded, requests) for c in configs]
+            results = [run_jitney(c, loaded, requests, stop_at_eos=stop_at_eos) for c in configs]
         for m, result in zip(order, results, strict=True):
             runs[m].append(result)
             say(f"round {r + 1} --speculative {m}: {result.tokens_per_s:.1f} tokens/s")
@@ -206,6 +208,12 @@ def main(argv: list[str] | None = None) -> None:
         help="lockstep: the two engines take steps in turn, each timed by its own; runs: one "
         "whole run after the other",
     )
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="each reply also ends at its first EOS, as a user's does (default: every request "
+        "makes exactly its output length, the same work in both modes)",
+    )
     p.add_argument("--output", default=None, help="also write the result here as JSON")
     args = p.parse_args(argv)
     if args.speculative == OFF:
@@ -239,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    report = run_ab(config, loaded, requests, args.speculative, args.rounds, say, args.pairing)
+    report = run_ab(
+        config, loaded, requests, args.speculative, args.rounds, say, args.pairing, args.stop_at_eos
+    )
     print(TABLE_HEADER)
     print(format_row(args.label or args.trace, report, args.max_num_seqs == 1))
     print(f"same tokens with and without speculation: {report.same_tokens}")

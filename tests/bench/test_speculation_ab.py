@@ -89,6 +89,28 @@ def test_both_pairings_give_the_same_tokens_and_a_bad_pairing_is_refused():
     check_pairing(replace(gpu, kv_cache_memory="1GiB"), "lockstep")
 
 
+# Prompts of tiny-random's whose greedy replies reach an EOS (id 0 or 2) at their 6th token, and
+# not within 16 tokens.
+REACHES_EOS = {"id": 0, "prompt_ids": [109, 195, 152, 7, 73, 80, 141, 173], "output_len": 16}
+NO_EOS = {"id": 1, "prompt_ids": [143, 234, 62, 134, 71, 269, 180, 61], "output_len": 16}
+
+
+def test_stop_at_eos_ends_each_reply_at_its_first_eos_in_both_pairings():
+    config, loaded = _tiny()
+    requests = trace_requests({"requests": [REACHES_EOS, NO_EOS]})
+    eos = set(loaded.eos_token_ids)
+    full = run_jitney(config, loaded, requests).outputs
+    stopped = run_jitney(config, loaded, requests, stop_at_eos=True).outputs
+    assert [any(t in eos for t in full[r.request_id]) for r in requests] == [True, False]
+    for r in requests:
+        tokens = full[r.request_id]
+        first = next((i for i, t in enumerate(tokens) if t in eos), len(tokens) - 1)
+        assert stopped[r.request_id] == tokens[: first + 1]
+    for pairing in ("lockstep", "runs"):
+        report = run_ab(config, loaded, requests, "ngram", 1, pairing=pairing, stop_at_eos=True)
+        assert report.same_tokens
+
+
 def test_the_command_writes_its_report(tmp_path, capsys):
     out = tmp_path / "ab.json"
     argv = ["--trace", str(_trace(tmp_path)), "--model", "tiny-random", "--rounds", "1"]

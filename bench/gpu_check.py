@@ -40,7 +40,7 @@ import torch
 import transformers
 
 from bench.baselines import RunResult, best_hf_cb, run_hf_generate
-from bench.offline import run_jitney
+from bench.offline import TraceRun
 from bench.parity import greedy_parity_failure, reference_greedy
 from bench.synthetic_trace import MIXED, synthetic_trace
 from bench.trace import TraceRequest, trace_requests
@@ -565,7 +565,7 @@ def _mixed_jitney(
         decode_attention=profile.decode_attention,
     )
     # Token ids out, as the baselines give them (and as a worker runs: gateways detokenize).
-    return _attempt(lambda: run_jitney(config, loaded, requests, detokenize=False))
+    return _attempt(lambda: TraceRun(config, loaded, requests, detokenize=False).run_to_end())
 
 
 def _attempt(run: Callable[[], RunResult]) -> RunResult | str:

@@ -43,29 +43,13 @@ class StructuredRun:
     grammar: str  # llguidance grammar (generation.grammar)
 
 
-def run_jitney(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    requests: Sequence[TraceRequest],
-    warmup: bool = True,
-    detokenize: bool = True,
-    structured: StructuredRun | None = None,
-    stop_at_eos: bool = False,
-) -> RunResult:
-    """Run the trace through the engine with `config.batching`; all requests at t=0.
-    `detokenize=False` runs the engine as a worker does: token ids out, the text left to the
-    gateway, so the step is what a served step costs. `structured`: every request constrained
-    to its grammar (a request ends early when its grammar is complete). `stop_at_eos`: a
-    request also ends at its first EOS, as a user's reply does (else it makes exactly its
-    `output_len` tokens)."""
-    run = TraceRun(config, loaded, requests, warmup, detokenize, structured, stop_at_eos)
-    while not run.done:
-        run.step()
-    return run.result()
-
-
 class TraceRun:
-    """One engine running a trace (all requests at t=0), a step at a time, then its RunResult.
+    """One engine running a trace with `config.batching`, all requests at t=0, a step at a time
+    (`step`, or `run_to_end`), then its RunResult. `detokenize=False` runs the engine as a
+    worker does: token ids out, the text left to the gateway, so the step is what a served step
+    costs. `structured`: every request constrained to its grammar (a request ends early when its
+    grammar is complete). `stop_at_eos`: a request also ends at its first EOS, as a user's reply
+    does (else it makes exactly its `output_len` tokens).
 
     Its clock counts only the time spent in its own steps (and in adding the requests): for a
     run alone that is its wall time; for runs that take steps in turn (bench.speculation_ab's
@@ -112,6 +96,11 @@ class TraceRun:
     @property
     def done(self) -> bool:
         return not self.engine.has_unfinished()
+
+    def run_to_end(self) -> RunResult:
+        while not self.done:
+            self.step()
+        return self.result()
 
     def step(self) -> None:
         engine, stats = self.engine, self.engine.stats
@@ -382,7 +371,9 @@ def run_offline_bench(
     for policy in policies:
         config = replace(base_config, batching=policy)
         for run in (None, structured) if structured else (None,):
-            result = run_jitney(config, loaded, requests, detokenize=detokenize, structured=run)
+            result = TraceRun(
+                config, loaded, requests, detokenize=detokenize, structured=run
+            ).run_to_end()
             ours.append(result)
             say(f"  {result.name}: {result.tokens_per_s:.1f} useful tokens/s")
         if structured:

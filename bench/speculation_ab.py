@@ -9,7 +9,7 @@ and with `--speculative MODE`, who goes first flipping every round. On a machine
 moves by tens of percent between processes and from minute to minute, runs in separate
 processes compare little. `--pairing lockstep` (the default) has the two engines take steps in
 turn, each timed by its own steps only (bench.offline.TraceRun), so a drift in the machine's
-speed falls on both within milliseconds: on a 2-core Zen 4, mixed-64's rounds agreed within 1%
+speed falls on both within milliseconds: on a 2-core Zen 4, mixed-64's rounds agreed within 2%
 this way against 0.81-1.11 for whole runs one after the other (`--pairing runs`, the earlier
 way; a GPU's second engine would size its KV pool by what the first left free, so there set
 `--kv-cache-memory` or pair by runs). Reports tokens/s
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baselines import RunResult
-from bench.offline import TraceRun, run_jitney
+from bench.offline import TraceRun
 from bench.trace import TraceRequest
 from engine.config import EngineConfig
 from engine.models.model_loader import LoadedModel
@@ -96,7 +96,9 @@ def run_ab(
             run_in_turn(in_turn)
             results = [run.result() for run in in_turn]
         else:
-            results = [run_jitney(c, loaded, requests, stop_at_eos=stop_at_eos) for c in configs]
+            results = [
+                TraceRun(c, loaded, requests, stop_at_eos=stop_at_eos).run_to_end() for c in configs
+            ]
         for m, result in zip(order, results, strict=True):
             runs[m].append(result)
             say(f"round {r + 1} --speculative {m}: {result.tokens_per_s:.1f} tokens/s")

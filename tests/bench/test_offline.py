@@ -100,15 +100,15 @@ def test_an_unknown_baseline_is_refused_by_name(tiny_trace, tmp_path):
 def test_the_served_step_gives_the_same_tokens_without_text(tiny_trace):
     """--no-detokenize runs the engine as a worker does (token ids out, the gateway makes the
     text): the same tokens, and the run says which it measured."""
-    from bench.offline import run_jitney
+    from bench.offline import TraceRun
     from bench.trace import load_trace
     from engine.config import EngineConfig
     from engine.models.model_loader import load_model
 
     config = EngineConfig(model="tiny-random", kv_cache_memory="16MiB")
     loaded, requests = load_model("tiny-random"), load_trace(str(tiny_trace), None)
-    with_text = run_jitney(config, loaded, requests)
-    ids_only = run_jitney(config, loaded, requests, detokenize=False)
+    with_text = TraceRun(config, loaded, requests).run_to_end()
+    ids_only = TraceRun(config, loaded, requests, detokenize=False).run_to_end()
     assert ids_only.outputs == with_text.outputs and sum(map(len, ids_only.outputs.values())) == 40
     assert (with_text.extra["detokenize"], ids_only.extra["detokenize"]) == (True, False)
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.offline import TraceRun, run_jitney
+from bench.offline import TraceRun
 from bench.speculation_ab import check_pairing, format_row, main, run_ab, run_in_turn
 from bench.trace import trace_requests
 from engine.config import EngineConfig
@@ -59,7 +59,7 @@ def test_engines_in_turn_give_what_each_gives_alone_each_timed_by_its_own_steps(
     run_in_turn(runs)
     stepping = time.perf_counter() - started
     off, on = (run.result() for run in runs)
-    alone_runs = [run_jitney(c, loaded, requests) for c in configs]
+    alone_runs = [TraceRun(c, loaded, requests).run_to_end() for c in configs]
     for alone, in_turn in zip(alone_runs, (off, on), strict=True):
         assert in_turn.outputs == alone.outputs
         assert in_turn.extra["steps"] == alone.extra["steps"]
@@ -99,8 +99,8 @@ def test_stop_at_eos_ends_each_reply_at_its_first_eos_in_both_pairings():
     config, loaded = _tiny()
     requests = trace_requests({"requests": [REACHES_EOS, NO_EOS]})
     eos = set(loaded.eos_token_ids)
-    full = run_jitney(config, loaded, requests).outputs
-    stopped = run_jitney(config, loaded, requests, stop_at_eos=True).outputs
+    full = TraceRun(config, loaded, requests).run_to_end().outputs
+    stopped = TraceRun(config, loaded, requests, stop_at_eos=True).run_to_end().outputs
     assert [any(t in eos for t in full[r.request_id]) for r in requests] == [True, False]
     for r in requests:
         tokens = full[r.request_id]

@@ -211,8 +211,12 @@ async def test_an_urgent_request_takes_a_seat_from_less_urgent_work_at_once() ->
 @pytest.mark.slow
 async def test_interactive_ttft_over_a_running_batch_of_500_lines() -> None:
     """A 500-line batch fills every seat; interactive requests meanwhile get their first token
-    within 2x of their TTFT on the idle system (plus the mean step in flight when they arrive,
-    which the tiny model's few-ms TTFT cannot absorb), and the batch answers every line once."""
+    within 2x of their TTFT on the idle system plus 8 of the batch's steps, and the batch answers
+    every line once. Read behind the queued lines, a request waits for a seat: a line's 48 steps
+    or so. Lines sent at priority 0 took it to 87-129 ms against 8-10 ms idle, with steps of
+    1.1-1.7 ms (this bound: 25-31 ms); the right order measured 8-11 ms. The steps' allowance
+    is for a test beside this one on 2 cores, which slows only the loaded half: under CI's
+    parallel tests the right order once took 28.3 ms against 12.2 ms idle, with steps of 3.2."""
     flags = ("--max-num-seqs", "8")
     with running_system(("bw1",), flags, gateway_flags=("--batch-max-queued", "8")) as system:
         worker = system.workers[0]
@@ -263,7 +267,7 @@ async def test_interactive_ttft_over_a_running_batch_of_500_lines() -> None:
             assert running.status == "in_progress" and running.request_counts.completed < 400
         ms = f"{loaded * 1000:.1f} ms over the batch, {idle * 1000:.1f} ms idle"
         ms += f", steps of {step_s * 1000:.1f} ms"
-        assert loaded <= 2 * idle + step_s, f"interactive TTFT p50: {ms}"
+        assert loaded <= 2 * idle + 8 * step_s, f"interactive TTFT p50: {ms}"
         done = await asyncio.to_thread(wait_completed, client, batch.id, 300)
         assert done.request_counts.completed == 500 and done.request_counts.failed == 0
         out = output_lines(client, done.output_file_id)

@@ -192,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="default: the engine's")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="default: the engine's")
     p.add_argument(
+        "--speculative-history-tokens",
+        type=int,
+        default=None,
+        help="finished replies' tokens looked up too (default: the engine's; 0: own text only)",
+    )
+    p.add_argument(
         "--speculative-draft-row-cost",
         type=float,
         default=None,
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             "max_num_seqs",
             "prompt_lookup_min",
             "prompt_lookup_max",
+            "speculative_history_tokens",
             "speculative_draft_row_cost",
             "kv_cache_memory",
         )

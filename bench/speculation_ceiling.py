@@ -11,14 +11,16 @@ n-grams and latest matches first) are verified together and the step keeps the l
 tree of C branches. `--stop-at-eos` cuts each output at its first EOS (what a user is shown).
 A step that keeps 2 tokens at the price of one would double tokens/s only if verifying were free;
 `--draft-cost C` also gives the best speed-up a proposer could reach with these continuations when
-each draft row costs C of a plain step (drafting exactly what each step keeps).
+each draft row costs C of a plain step (drafting exactly what each step keeps). `--history N`:
+the N longest replies replayed with the engine's own proposer, from their own text and with the
+trace's other replies as earlier ones (`--speculative-history-tokens`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,18 +54,56 @@ class Lookup:
 def kept_per_step(prompt: Sequence[int], output: Sequence[int], lookup: Lookup) -> list[int]:
     """The drafts each verification step keeps while producing `output` after `prompt` (each
     step also gives the token after them)."""
-    tokens, at, kept_steps = list(prompt), 0, []
+    return [kept for _, kept in replay(prompt, output, lookup.continuations)]
+
+
+def replay(
+    prompt: Sequence[int],
+    output: Sequence[int],
+    continuations: Callable[[list[int]], list[list[int]]],
+) -> list[tuple[int, int]]:
+    """(output tokens made, drafts kept) after each verification step producing `output`,
+    each step keeping the longest match among `continuations` of the tokens so far."""
+    tokens, at, steps = list(prompt), 0, []
     while at < len(output):
         kept = 0
-        for drafts in lookup.continuations(tokens):
+        for drafts in continuations(tokens):
             n = 0
-            while n < len(drafts) and at + n < len(output) and drafts[n] == output[at + n]:
+            # The output's last token is the step's own pick, never a kept draft.
+            while n < len(drafts) and at + n < len(output) - 1 and drafts[n] == output[at + n]:
                 n += 1
             kept = max(kept, n)
         tokens += output[at : at + kept + 1]
         at += kept + 1
-        kept_steps.append(kept)
-    return kept_steps
+        steps.append((at, kept))
+    return steps
+
+
+def with_history(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], num_drafts: int, longest: int
+) -> list[str]:
+    """The `longest` replies' tokens a step, from their own text (prompt lookup, n-grams 2-4)
+    and with every other reply of the trace in the history as well (the engine's proposer,
+    scheduler/speculation/ngram.py): all of it, and its last 40% (where an all-at-once trace
+    has most of the others finished)."""
+    from scheduler.speculation import NgramProposer, OutputHistory
+
+    lines = []
+    order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][1]))[:longest]
+    for i in order:
+        history = OutputHistory(capacity=10**9)
+        for j, (_, other) in enumerate(pairs):
+            if j != i:
+                history.add(other)
+        prompt, output = pairs[i]
+        cells = []
+        for proposer in (NgramProposer(4, 2), NgramProposer(4, 2, history)):
+            steps = replay(prompt, output, lambda t, p=proposer: [p.follow(t, num_drafts).tokens])
+            tail = [kept for at, kept in steps if at > 0.6 * len(output)]
+            whole = len(output) / len(steps)
+            cells.append(f"{whole:5.2f} {sum(k + 1 for k in tail) / max(1, len(tail)):5.2f}")
+        lines.append(f"{len(output):>6} " + "  | ".join(cells))
+    return lines
 
 
 def steps_to_decode(prompt: Sequence[int], output: Sequence[int], lookup: Lookup) -> int:
@@ -98,6 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-at-eos", action="store_true")
     p.add_argument("--drafts", default="3,5,7", help="comma-separated drafts per step")
     p.add_argument("--candidates", default="1,2,4,8", help="comma-separated branch counts")
+    p.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also the N longest replies with the trace's other replies as earlier ones",
+    )
     p.add_argument(
         "--draft-cost",
         type=float,
@@ -136,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
             one = tokens_per_step(pairs, Lookup(k, 1, 4, c))
             cells.append(f"{two:6.2f} |{one:5.2f}")
         print(f"{c:>10} " + " ".join(f"{cell:>13}" for cell in cells))
+    if args.history:
+        print("tokens a step, own text | with the other replies (all, last 40%), 7 drafts")
+        print(f"{'tokens':>6} {'own':^11}  | {'with others':^11}")
+        print("\n".join(with_history(pairs, 7, args.history)))
     if args.draft_cost is not None:
         print(f"speed-up bound at {args.draft_cost} of a step per draft row, one candidate")
         cells = []

@@ -5,6 +5,8 @@
 # flipping every round), so a machine whose speed drifts moves both alike. Run it on a quiet
 # machine:
 #   bench/speculation_tables.sh OUT_DIR [ROUNDS]
+# AB_FLAGS adds flags to every run (AB_FLAGS="--speculative-history-tokens 0": prompt lookup over
+# each sequence's own text only).
 # - quoting: bench/traces/quoting.json, one request at a time (8 prompts whose answers quote them)
 # - one user: a 134-token random prompt, 256 tokens (the forward section's one-user trace)
 # - mixed-64: ../shared/traces/mixed-64.json, all 64 requests at t=0
@@ -27,7 +29,7 @@ ab() {  # name label trace [flags...]: one trace's rounds, the report kept as OU
   local name=$1 label=$2 trace=$3
   shift 3
   $PY -m bench.speculation_ab --model smollm2-135m --threads 2 --rounds "$ROUNDS" \
-    --trace "$trace" --label "$label" --output "$OUT/$name.json" "$@" > "$OUT/$name.md" \
+    --trace "$trace" --label "$label" --output "$OUT/$name.json" ${AB_FLAGS:-} "$@" > "$OUT/$name.md" \
     2> "$OUT/$name.log" || { echo "bench.speculation_ab failed: $name (see $OUT/$name.log)" >&2; exit 1; }
 }
 

@@ -56,11 +56,13 @@ class EngineConfig:
     # Speculative decoding (scheduler/speculation/): "ngram" verifies prompt-lookup drafts,
     # "draft" a draft model's (speculative_model, which implies it), "none" is off; "auto":
     # a draft model's when one is named, else ngram under continuous batching (measured: 1.4-2.4x
-    # one user's tokens/s, a 64-request trace unchanged; docs/performance.md), else none.
+    # one user's tokens/s, a 64-request trace 1.0-1.04x; docs/performance.md), else none.
     speculative: str = "auto"
     num_speculative_tokens: int = SPEC.num_speculative_tokens
     prompt_lookup_max: int = SPEC.prompt_lookup_max
     prompt_lookup_min: int = SPEC.prompt_lookup_min
+    # Finished replies' tokens whose n-grams prompt lookup also proposes from (0: none).
+    speculative_history_tokens: int = SPEC.history_tokens
     # Drafts only while a step's rows stay within this; None: the rows one pass of the CPU
     # kernels serves where the forward is quantized (4-8 by ISA: speculative_step_rows in
     # engine/startup.py), else SPEC.max_step_tokens.
@@ -192,6 +194,7 @@ class EngineConfig:
                 _first_set(draft_row_cost, self.speculative_draft_row_cost, SPEC.draft_row_cost),
                 # Unless configured, the engine measures it from its steps (that start is a guess).
                 measure_row_cost=self.speculative_draft_row_cost is None,
+                history_tokens=self.speculative_history_tokens,
             ),
         )
 

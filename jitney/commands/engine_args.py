@@ -138,6 +138,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="ngram: the shortest tail looked up",
     )
     g.add_argument(
+        "--speculative-history-tokens",
+        type=int,
+        default=engine["speculative_history_tokens"],
+        metavar="N",
+        help="ngram: the latest N tokens of finished replies whose n-grams are also looked up "
+        "(0: a sequence's own text only)",
+    )
+    g.add_argument(
         "--speculative-max-step-tokens",
         type=int,
         default=engine["speculative_max_step_tokens"],
@@ -236,6 +244,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
+        speculative_history_tokens=args.speculative_history_tokens,
         speculative_max_step_tokens=args.speculative_max_step_tokens,
         speculative_draft_row_cost=args.speculative_draft_row_cost,
         speculative_model=args.speculative_model,

@@ -24,6 +24,7 @@ from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.speculation import (
     DraftOdds,
     NgramProposer,
+    OutputHistory,
     Proposal,
     Proposer,
     RowCost,
@@ -51,12 +52,18 @@ class BatchingPolicy(ABC):
         self.stats = SchedulerStats(num_total_blocks=kv.num_blocks)
         # Who proposes draft tokens (None: no speculation). A model proposer ("draft") lives in
         # the engine, which sets it here (scheduler/speculation/proposer.py).
-        self.proposer: Proposer | None = _proposer_for(config.speculative)
+        spec = config.speculative
+        # Finished replies' n-grams, which prompt lookup also proposes from (history.py).
+        self.history = (
+            OutputHistory(spec.history_tokens)
+            if spec.method == "ngram" and spec.history_tokens
+            else None
+        )
+        self.proposer: Proposer | None = _proposer_for(spec, self.history)
         # How often each kind of proposal's drafts are kept: how many of them a step verifies.
         self.odds = DraftOdds()
         # What a draft row costs a step here, against which the odds must pay (the engine
         # reports its steps when it measures it).
-        spec = config.speculative
         self.row_cost = RowCost(spec.draft_row_cost, spec.measure_row_cost, spec.max_step_tokens)
 
     # ----- requests in and out -----------------------------------------------------------------
@@ -207,6 +214,8 @@ class BatchingPolicy(ABC):
     def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
         seq.set_status(status)
         seq.finished_time = now
+        if self.history is not None:
+            self.history.add(seq.output_token_ids)
 
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -259,7 +268,7 @@ class BatchingPolicy(ABC):
         s.limit = plan.limit
 
 
-def _proposer_for(config: SpeculativeConfig) -> Proposer | None:
+def _proposer_for(config: SpeculativeConfig, history: OutputHistory | None) -> Proposer | None:
     if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min, history)
     return None

@@ -9,6 +9,7 @@ How many of a proposal's drafts a step verifies is the measured odds' call (odds
 what a row costs this machine (row_cost.py).
 """
 
+from scheduler.speculation.history import OutputHistory
 from scheduler.speculation.ngram import NgramProposer
 from scheduler.speculation.odds import MODEL_KIND, DraftOdds
 from scheduler.speculation.proposer import Proposal, Proposer, SpeculativeConfig
@@ -18,6 +19,7 @@ __all__ = [
     "MODEL_KIND",
     "DraftOdds",
     "NgramProposer",
+    "OutputHistory",
     "Proposal",
     "Proposer",
     "RowCost",

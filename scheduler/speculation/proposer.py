@@ -46,6 +46,9 @@ class SpeculativeConfig:
     # Whether the engine measures the row's cost from its own steps, draft_row_cost only the
     # starting guess (row_cost.py); off when a cost was configured.
     measure_row_cost: bool = True
+    # Earlier replies' n-grams kept for lookups (scheduler/speculation/history.py), in tokens;
+    # 0: a sequence's own text only.
+    history_tokens: int = 32768
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -54,6 +57,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.history_tokens < 0:
+            raise ValueError("speculative history_tokens must be >= 0")
         if self.max_step_tokens < 2:
             raise ValueError("speculative max_step_tokens must be >= 2 (a token and a draft)")
         if not 0.0 <= self.draft_row_cost <= 1.0:

@@ -1,6 +1,12 @@
 """The speculation ceiling's replay: steps counted as a verification keeps them."""
 
-from bench.speculation_ceiling import Lookup, speedup_bound, steps_to_decode, tokens_per_step
+from bench.speculation_ceiling import (
+    Lookup,
+    speedup_bound,
+    steps_to_decode,
+    tokens_per_step,
+    with_history,
+)
 
 
 def test_an_output_that_quotes_its_prompt_takes_one_step_per_drafts_and_token():
@@ -37,3 +43,14 @@ def test_the_speed_up_bound_pays_for_the_kept_drafts_only():
     assert speedup_bound([(prompt, output)], lookup, 0.5) == 8 / (1 + 0.5 * 7)
     # Nothing repeats: plain decoding's speed, whatever drafts would cost.
     assert speedup_bound([([1, 2, 3], [4, 5, 6, 7])], lookup, 0.3) == 1.0
+
+
+def test_a_reply_that_another_one_repeats_is_drafted_from_it_with_the_history():
+    # b's reply is a's: from its own text nothing repeats; with a's reply, after three single
+    # steps (the history looks up 3 tokens at least), 7 kept and one more, twice, then the last.
+    a = ([1, 2], list(range(100, 120)))
+    b = ([3, 4], list(range(100, 120)))
+    short = ([5], [6, 7, 8])
+    lines = with_history([a, b, short], num_drafts=7, longest=2)
+    for line in lines:  # 20 tokens in 6 steps; the last 40%: 8 + 1 tokens in 2
+        assert line.split() == ["20", "1.00", "1.00", "|", "3.33", "4.50"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.llm_engine import Engine
 from engine.models.model_loader import LoadedModel
 from generation.sampling_params import SamplingParams
 from tests.engine.engine_helpers import make_engine
@@ -172,3 +173,31 @@ def test_the_engine_prices_a_draft_row_from_its_own_decode_steps(loaded: LoadedM
     )
     run(fixed, [(p, GREEDY) for p in PROMPTS])
     assert fixed.view.draft_row_cost == 0.3 and not fixed.policy.row_cost.means
+
+
+def test_drafts_from_earlier_replies_keep_plain_decoding_s_tokens(loaded: LoadedModel):
+    """Requests one after another, the later asking what the earlier did (and a prompt of
+    their reply's opening): drafts of the history's kinds are verified and kept, and every
+    reply is plain decoding's, as with the history off."""
+    prompt = PROMPTS[1]
+    plain = make_engine(loaded, kv_cache_memory="16MiB", speculative="none")
+    first = _alone(plain, prompt)
+    requests = [prompt, prompt, [*prompt[-3:], *first[:6]]]
+    want = [_alone(plain, p) for p in requests]
+    for history_tokens in (0, 4096):
+        engine = make_engine(
+            loaded,
+            kv_cache_memory="16MiB",
+            speculative="ngram",
+            speculative_draft_row_cost=0.0,
+            speculative_history_tokens=history_tokens,
+        )
+        assert [_alone(engine, p) for p in requests] == want
+        kept = [cell[0] for (kind, _), cell in engine.policy.odds.counts.items() if kind < 0]
+        assert (sum(kept) > 0) == bool(history_tokens)
+
+
+def _alone(engine: Engine, prompt: list[int]) -> list[int]:
+    """One greedy request to its end on `engine` (its pools checked each step): its tokens."""
+    ((_, tokens),), _ = run(engine, [(prompt, GREEDY)])["r0"]
+    return tokens

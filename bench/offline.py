@@ -155,6 +155,9 @@ class TraceRun:
                 "tail_s": _tail_s(self.made, wall),
                 "spec_draft_tokens": stats.num_draft_tokens_total,
                 "spec_accepted_tokens": stats.num_accepted_tokens_total,
+                # Of those, proposed from earlier replies (--speculative-history-tokens).
+                "spec_history_draft_tokens": stats.num_history_draft_tokens_total,
+                "spec_history_accepted_tokens": stats.num_history_accepted_tokens_total,
                 "spec_acceptance": (
                     stats.num_accepted_tokens_total / stats.num_draft_tokens_total
                     if stats.num_draft_tokens_total

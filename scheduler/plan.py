@@ -81,4 +81,7 @@ class SchedulerStats:
     num_draft_tokens_total: int = 0
     num_accepted_tokens_total: int = 0
     num_verifications_total: int = 0
+    # Of those, the drafts proposed from earlier replies (scheduler/speculation/history.py).
+    num_history_draft_tokens_total: int = 0
+    num_history_accepted_tokens_total: int = 0
     limit: StepLimit = StepLimit.NONE

@@ -190,6 +190,15 @@ class WorkerMetrics:
         self.spec_accepted_tokens = counter(
             "jitney_spec_decode_num_accepted_tokens", "Draft tokens the model accepted"
         )
+        self.spec_history_draft_tokens = counter(
+            "jitney_spec_decode_history_draft_tokens",
+            "Draft tokens verified that were proposed from earlier replies "
+            "(--speculative-history-tokens)",
+        )
+        self.spec_history_accepted_tokens = counter(
+            "jitney_spec_decode_history_accepted_tokens",
+            "Draft tokens from earlier replies the model accepted",
+        )
         self.spec_row_cost = gauge(
             "jitney_spec_decode_draft_row_cost",
             "What a draft row costs as a share of a one-row step, as the policy prices it now "
@@ -223,7 +232,7 @@ class WorkerMetrics:
         )
         self.placement = PlacementMetrics(r, self._labels)
         # The scheduler's counters are running totals; the exporter adds their increments.
-        self._last_totals = (0,) * 7
+        self._last_totals = (0,) * 9
         # /ready answers this (the service sets it: joined and not stopping).
         self.ready: Callable[[], bool] = lambda: True
 
@@ -272,6 +281,8 @@ class WorkerMetrics:
             stats.num_verifications_total,
             stats.num_draft_tokens_total,
             stats.num_accepted_tokens_total,
+            stats.num_history_draft_tokens_total,
+            stats.num_history_accepted_tokens_total,
         )
         counters = (
             self.preemptions,
@@ -281,6 +292,8 @@ class WorkerMetrics:
             self.spec_drafts,
             self.spec_draft_tokens,
             self.spec_accepted_tokens,
+            self.spec_history_draft_tokens,
+            self.spec_history_accepted_tokens,
         )
         for child, new, old in zip(
             counters,

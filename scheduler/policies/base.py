@@ -30,6 +30,7 @@ from scheduler.speculation import (
     RowCost,
     SpeculativeConfig,
 )
+from scheduler.speculation.history import is_history_kind
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -197,6 +198,9 @@ class BatchingPolicy(ABC):
         stats.num_draft_tokens_total += k
         stats.num_accepted_tokens_total += num_accepted
         stats.num_verifications_total += 1
+        if is_history_kind(seq.draft_kind):
+            stats.num_history_draft_tokens_total += k
+            stats.num_history_accepted_tokens_total += num_accepted
         for n, token in enumerate(tokens, 1):
             seq.num_step_tokens = n
             if (finish := seq.append_token(token)) is not None:

@@ -32,6 +32,10 @@ def history_kind(order: int) -> int:
     return -order
 
 
+def is_history_kind(kind: int) -> bool:
+    return kind < 0
+
+
 @dataclass(slots=True)
 class OutputHistory:
     """The n-grams of the latest finished outputs (at most `capacity` tokens, oldest out first)."""

@@ -158,6 +158,11 @@ def test_speculation_shows_its_acceptance_and_the_tail_beside_plain_decoding(tmp
         assert spec["extra"]["steps"] < plain["extra"]["steps"]
         assert 0 < spec["extra"]["spec_acceptance"] <= 1
         assert spec["extra"]["spec_accepted_tokens"] > 0
+        history = spec["extra"]["spec_history_accepted_tokens"]
+        assert history <= spec["extra"]["spec_history_draft_tokens"]
+        assert spec["extra"]["spec_history_draft_tokens"] <= spec["extra"]["spec_draft_tokens"]
+        if name == "draft":  # a draft model proposes alone: no history
+            assert spec["extra"]["spec_history_draft_tokens"] == 0
         assert 0 < spec["extra"]["tail_s"] < spec["wall_s"]
         # The decode steps by drafts verified: a draft row's cost beside the plain steps.
         by_drafts = {int(d): e for d, e in spec["extra"]["steps_by_drafts"].items()}

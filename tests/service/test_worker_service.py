@@ -281,6 +281,15 @@ def test_each_request_s_speculation_is_in_its_final_reply_and_the_metrics(stack,
     # The row price the policy bets with, measured from the worker's own steps.
     cost = worker.metric("jitney_spec_decode_draft_row_cost", required=True, worker="w1")
     assert 0 <= cost <= 1
+    # The first prompt again: before its own text loops, its drafts come from the earlier reply.
+    history = ["jitney_spec_decode_history_draft_tokens_total", names[0]]
+    history += ["jitney_spec_decode_history_accepted_tokens_total", names[1]]
+    before = {n: worker.metric(n) for n in history}
+    send(r, "spec-again", jobs[0][1], 120)
+    (again,) = replies.wait("spec-again").values()
+    delta = {n: worker.metric(n) - before[n] for n in history}
+    assert 0 < delta[history[2]] <= delta[history[0]] <= delta[names[0]] == again.draft_tokens
+    assert delta[history[2]] <= delta[names[1]] == again.accepted_draft_tokens
 
 
 def test_step_phases_are_exported_per_step_and_add_up_to_the_step(stack, replies):

@@ -121,6 +121,12 @@ def test_dashboard_covers_what_the_issue_asks_for(dashboard):
     assert queried("jitney_placement_reads_total", "by (outcome)", "rate(")
     for q in ("0.5", "0.99"):
         assert queried("jitney_placement_wait_seconds_bucket", f"histogram_quantile({q},")
+    # Speculative decoding: how much is kept, how much the history brings, the row's price.
+    spec = "jitney_spec_decode_"
+    assert queried(f"{spec}num_accepted_tokens_total", f"{spec}num_draft_tokens_total", " / ")
+    assert queried(f"{spec}history_draft_tokens_total", "rate(")
+    assert queried(f"{spec}history_accepted_tokens_total", "rate(")
+    assert queried(f"{spec}draft_row_cost", "by (worker)")
     per_worker = [e for e in exprs if "by (worker)" in e]
     assert {"jitney_generation_tokens_total", "jitney_requests_running"} <= set().union(
         *map(metric_names, per_worker)

@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
+# The finished output tokens kept by default (--speculative-history-tokens): about 25 MB at most.
+HISTORY_TOKENS = 32768
 # n-gram keys -> {next token: count}.
 Followers = dict[tuple[int, ...], dict[int, int]]
 
@@ -40,7 +42,7 @@ def is_history_kind(kind: int) -> bool:
 class OutputHistory:
     """The n-grams of the latest finished outputs (at most `capacity` tokens, oldest out first)."""
 
-    capacity: int = 32768
+    capacity: int = HISTORY_TOKENS
     order: int = 4
     min_order: int = 3
     followers: Followers = field(default_factory=dict)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from scheduler.speculation.history import HISTORY_TOKENS
 from scheduler.speculation.row_cost import break_even
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class SpeculativeConfig:
     measure_row_cost: bool = True
     # Earlier replies' n-grams kept for lookups (scheduler/speculation/history.py), in tokens;
     # 0: a sequence's own text only.
-    history_tokens: int = 32768
+    history_tokens: int = HISTORY_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -12,7 +12,8 @@ the bundled GGUF file. Rows (each measured in the same run, interleaved, best of
   jitney <isa>    engine/kernels: the file's Q4_1 blocks (+ its Q8_0 head), float32 activations,
                   one row per level this CPU has (avx2, avx2-int16, avx512, vnni, amx), each
                   with its automatic choice of path (one pass for a few tokens; batched: AMX's
-                  bf16 tiles, or dequantized panels + sgemm)
+                  bf16 tiles, or dequantized panels + sgemm); at the levels whose one pass
+                  rounds activations to int8 digits (two), also with one (`1 digit`)
 (The int4pack kernel also takes float32 activations, but its float32 path is not vectorized:
 about 3-5x slower than fp32 dense here, so it is left out.) Each row says how many weight bytes
 one step reads. `--crossover` times Jitney's two paths (one pass, batched) per shape and T with
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import Q4_1Weights, Q8_0Weights, kernel_backend
+from engine.kernels.build import INTEGER_ISAS
 
 LAYER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}  # fmt: skip
@@ -53,6 +55,7 @@ class Method:
     linears: list[Callable[[torch.Tensor], torch.Tensor]]
     weight_bytes: int
     isa: str | None = None  # Jitney's kernels: the instruction set they run with
+    digits: int = 2  # and the int8 digits an activation where that level rounds them
 
 
 def smollm2_gguf() -> Path:
@@ -94,6 +97,8 @@ def build_methods(matrices: list[Q4_1Weights | Q8_0Weights]) -> list[Method]:
     nbytes = sum(m.nbytes for m in matrices)
     for isa in kernel_backend().available_isas() or ("reference",):
         methods.append(Method(f"jitney {isa}", torch.float32, jitney, nbytes, isa))
+        if isa in INTEGER_ISAS:  # `--activation-digits 1`
+            methods.append(Method(f"jitney {isa} 1 digit", torch.float32, jitney, nbytes, isa, 1))
     return methods
 
 
@@ -151,12 +156,14 @@ def time_steps(methods: list[Method], in_features: list[int], tokens: int, repea
             for m in methods:
                 if m.isa is not None and kernel_backend().is_native:
                     kernel_backend().set_isa(m.isa)
+                    kernel_backend().set_activation_digits(m.digits)
                 start = clock()
                 for linear, x in zip(m.linears, inputs[m.name], strict=True):
                     linear(x)
                 best[m.name] = min(best[m.name], (clock() - start) * 1e3)
     if kernel_backend().is_native:
         kernel_backend().set_isa(kernel_backend().best_isa)
+        kernel_backend().set_activation_digits(2)
     return best
 
 
@@ -219,10 +226,10 @@ def main() -> None:
         for name, ms in time_steps(methods, in_features, t, args.repeat).items():
             rows[name].append(ms)
     print(f"\nms per step, {len(matrices)} matrices (best of {args.repeat}, interleaved)")
-    print(f"{'':>16} {'weight MB':>10} " + " ".join(f"{'T=' + str(t):>9}" for t in tokens))
+    print(f"{'':>25} {'weight MB':>10} " + " ".join(f"{'T=' + str(t):>9}" for t in tokens))
     for m in methods:
         cells = " ".join(f"{ms:>9.1f}" for ms in rows[m.name])
-        print(f"{m.name:>16} {m.weight_bytes / 1e6:>10.1f} {cells}")
+        print(f"{m.name:>25} {m.weight_bytes / 1e6:>10.1f} {cells}")
     print(f"(load average {os.getloadavg()[0]:.1f} at the end)")
 
 

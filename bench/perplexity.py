@@ -1,6 +1,6 @@
 """Perplexity of one model kept in several ways, on English prose that ships with Python.
 
-`python -m bench.perplexity [--model smollm2-135m] [--modes fp32,bf16,int8,gguf]
+`python -m bench.perplexity [--model smollm2-135m] [--modes fp32,bf16,int8,gguf,gguf-1-digit]
  [--tokens 8192] [--window 512] [--chunk 16] [--kv-cache-dtype auto] [--output perplexity.json]`
 
 The text is the language reference's prose in `pydoc_data/topics.py` (every topic, in sorted
@@ -16,10 +16,12 @@ Modes (each the same weights, kept differently):
   bf16   dense bfloat16 (`--dtype bfloat16`)
   int8   Q8_0 blocks made from the fp32 weights (`--quantization int8`)
   gguf   the GGUF file's own blocks (`--quantization gguf`; a GGUF model only)
+  gguf-1-digit  the same with one int8 digit per activation (`--activation-digits 1`)
 For the bundled SmolLM2 the fp32 weights are the GGUF file's blocks dequantized, so gguf vs fp32
 measures the kernels and int8 vs fp32 the 8-bit rounding. `--kv-cache-dtype` keeps every mode's
 K/V as the engine's flag of that name does (auto: float16 for int8 and gguf, as the engine keeps
-a quantized forward's; the mode's own dtype for fp32 and bf16).
+a quantized forward's; the mode's own dtype for fp32 and bf16). Each mode also reports how often
+its most likely next token is fp32's (greedy decoding's agreement, position by position).
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.step_inputs import AttentionMetadata
+from engine.kernels import kernel_backend
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
 from engine.models.model_loader import LoadedModel, load_model
 from engine.runner.model_runner import model_forward_for
 
-MODES = {  # mode -> (dtype, quantization)
-    "fp32": (torch.float32, "none"),
-    "bf16": (torch.bfloat16, "none"),
-    "int8": (torch.float32, "int8"),
-    "gguf": (torch.float32, "gguf"),
+MODES = {  # mode -> (dtype, quantization, the kernels' int8 digits per activation)
+    "fp32": (torch.float32, "none", 2),
+    "bf16": (torch.bfloat16, "none", 2),
+    "int8": (torch.float32, "int8", 2),
+    "gguf": (torch.float32, "gguf", 2),
+    "gguf-1-digit": (torch.float32, "gguf", 1),
 }
 BLOCK_SIZE = 16
 
@@ -52,6 +56,7 @@ class Score:
     perplexity: float
     scored_tokens: int
     nll_sum: float
+    top_tokens: list[int]  # the most likely next token at each scored position
 
 
 def reference_text() -> str:
@@ -76,7 +81,24 @@ def score(
     kv_cache_dtype: str = "auto",
 ) -> Score:
     """Sum of each scored token's negative log-likelihood, window by window."""
-    _, quantization = MODES[mode]
+    _, quantization, digits = MODES[mode]
+    backend = kernel_backend()
+    backend.set_activation_digits(digits)
+    try:
+        return _score(loaded, mode, quantization, tokens, window, chunk, kv_cache_dtype)
+    finally:
+        backend.set_activation_digits(2)
+
+
+def _score(
+    loaded: LoadedModel,
+    mode: str,
+    quantization: str,
+    tokens: list[int],
+    window: int,
+    chunk: int,
+    kv_cache_dtype: str,
+) -> Score:
     forward = model_forward_for(loaded, "auto", quantization)
     dtype = loaded.model.dtype
     spec = KVCacheSpec(
@@ -87,7 +109,7 @@ def score(
         BLOCK_SIZE,
         compute_dtype=dtype,
     )
-    nll, scored = 0.0, 0
+    nll, scored, top = 0.0, 0, []
     for start in range(0, len(tokens) - 1, window):
         ids = tokens[start : start + window]
         if len(ids) < 2:
@@ -108,7 +130,8 @@ def score(
         target = torch.tensor(ids[1:])
         nll += F.cross_entropy(logits[:-1], target, reduction="sum").item()
         scored += len(ids) - 1
-    return Score(mode, math.exp(nll / scored), scored, nll)
+        top += logits[:-1].argmax(-1).tolist()
+    return Score(mode, math.exp(nll / scored), scored, nll, top)
 
 
 def run(
@@ -137,10 +160,17 @@ def run(
 
 def markdown(scores: list[Score]) -> str:
     base = next((s for s in scores if s.mode == "fp32"), scores[0])
-    lines = [f"| mode | perplexity | vs {base.mode} | tokens scored |", "|---|---|---|---|"]
+    lines = [
+        f"| mode | perplexity | vs {base.mode} | same top token as {base.mode} | tokens scored |",
+        "|---|---|---|---|---|",
+    ]
     for s in scores:
         delta = 100 * (s.perplexity / base.perplexity - 1)
-        lines.append(f"| {s.mode} | {s.perplexity:.4f} | {delta:+.2f}% | {s.scored_tokens} |")
+        same = sum(a == b for a, b in zip(s.top_tokens, base.top_tokens, strict=True))
+        lines.append(
+            f"| {s.mode} | {s.perplexity:.4f} | {delta:+.2f}% | "
+            f"{100 * same / len(base.top_tokens):.2f}% | {s.scored_tokens} |"
+        )
     return "\n".join(lines)
 
 
@@ -177,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.output, "w") as f:
             json.dump({"model": args.model, "window": args.window, "chunk": args.chunk,
                        "kv_cache_dtype": args.kv_cache_dtype,
-                       "scores": [asdict(s) for s in scores]}, f, indent=2)  # fmt: skip
+                       "scores": [{k: v for k, v in asdict(s).items() if k != "top_tokens"}
+                                  for s in scores]}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -206,6 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--kv-cache-memory", default=None, help="each engine's KV pool (default: 1 GiB on CPU)"
     )
+    p.add_argument(
+        "--activation-digits",
+        type=int,
+        default=None,
+        help="the CPU kernels' int8 digits per activation, both engines (default: the engine's)",
+    )
     p.add_argument("--limit", type=int, default=None, help="the trace's first N requests")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -243,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             "speculative_history_tokens",
             "speculative_draft_row_cost",
             "kv_cache_memory",
+            "activation_digits",
         )
         if (value := getattr(args, name)) is not None
     }

@@ -27,6 +27,10 @@ MODEL_IMPLS = ("auto", "jitney", "transformers")
 # "auto", gguf where the model is a GGUF file whose blocks the kernels cover (on the CPU), else
 # none (engine/runner/model_runner.py resolve_quantization).
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+# How many int8 digits the CPU kernels' integer one passes (AVX-512 VNNI, AMX, AVX2's int16)
+# give each activation: 2, about 15 bits (greedy tokens as the dense model's), or 1, llama.cpp's
+# Q8 activations (faster past one token, +0.3% perplexity; engine/kernels/csrc/quant_vnni.cpp).
+ACTIVATION_DIGITS = (1, 2)
 _DTYPES = ("float32", "bfloat16", "float16")
 # How /v1/embeddings pools a prompt's final hidden states (engine/pooling.py): the last token's
 # (vLLM's default for decoder models) or the mean over the prompt.
@@ -89,6 +93,9 @@ class EngineConfig:
     decode_attention: str = "auto"
     model_impl: str = "auto"
     quantization: str = "auto"
+    # The quantized kernels' int8 digits per activation (ACTIVATION_DIGITS); process-wide: the
+    # C++ library has one setting, which the engine sets when it starts.
+    activation_digits: int = 2
     # torch.compile the dense forward's layers (docs/performance.md: measured on the CPU, it
     # gains ~15% of a one-sequence step's non-matmul work and loses at batches; off by default).
     compile: bool = False
@@ -126,6 +133,11 @@ class EngineConfig:
             raise ValueError(
                 f"quantization {self.quantization} runs on Jitney's forward, "
                 "not --model-impl transformers"
+            )
+        if self.activation_digits not in ACTIVATION_DIGITS:
+            raise ValueError(
+                f"activation_digits must be one of {ACTIVATION_DIGITS}, "
+                f"got {self.activation_digits!r}"
             )
         if self.pooling not in POOLING_METHODS:
             raise ValueError(f"pooling must be one of {POOLING_METHODS}, got {self.pooling!r}")

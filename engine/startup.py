@@ -21,7 +21,7 @@ from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
 from engine.capacity import KVCapacity, budget_bytes, draft_budget_bytes, plan_capacity
 from engine.config import SPEC, EngineConfig
 from engine.kernels import kernel_backend
-from engine.kernels.build import DRAFT_ROW_COST, ONE_PASS_TOKENS
+from engine.kernels.build import DRAFT_ROW_COST, INTEGER_ISAS, ONE_PASS_TOKENS
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
 from engine.memory_profile import step_peak_bytes
 from engine.models.forward import ModelForward
@@ -57,6 +57,9 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
     if device.type == "cpu":  # the sampler's and the quantized layers' C++ (built once, cached)
         backend = kernel_backend()
         logger.info("CPU kernels: %s %s (%s)", backend.name, backend.isa or "", backend.reason)
+        backend.set_activation_digits(config.activation_digits)
+        if backend.isa in INTEGER_ISAS:
+            logger.info("CPU kernels: %d int8 digit(s) an activation", config.activation_digits)
     model = loaded.model
     forward_name, forward = resolve_forward(
         loaded, config.model_impl, config.quantization, config.compile

@@ -14,6 +14,8 @@ One library serves every x86-64 CPU: the AVX-512 and AMX kernels are compiled be
 ones (under a target pragma) and the library picks the highest instruction set the CPU has when
 it loads (csrc/cpu_isa.cpp). `JITNEY_KERNEL_ISA=avx2|avx2-int16|avx512|vnni|amx` caps it;
 `set_isa()` changes the cap in a running process (the tests run every path a machine has).
+`JITNEY_ACTIVATION_DIGITS=1` (or `set_activation_digits(1)`, the engine's `--activation-digits`)
+gives the integer one passes one int8 digit per activation instead of two (csrc/quant_vnni.cpp).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import ACTIVATION_DIGITS
+
 LIBRARY_NAME = "jitney_quant_kernels"
 CSRC = Path(__file__).parent / "csrc"
 _SOURCE_NAMES = (
@@ -48,6 +52,8 @@ _SOURCE_NAMES = (
 )
 SOURCES = tuple(CSRC / f"{name}.cpp" for name in _SOURCE_NAMES)
 ISAS = ("avx2", "avx2-int16", "avx512", "vnni", "amx")  # csrc/blocks.h's Isa, in order
+# The levels whose one pass rounds activations to int8 digits (two by default, or one).
+INTEGER_ISAS = ("avx2-int16", "vnni", "amx")
 # The tokens one pass over the weights serves at each level (its token tile: quant_linear.cpp,
 # quant_avx2_int.cpp's kInt16Tile, quant_avx512.cpp, quant_vnni.cpp; amx's one pass is vnni's).
 # One more token starts a second pass, which costs about a step at one token on an AVX2 CPU.
@@ -102,6 +108,19 @@ class KernelBackend:
         if not self.is_native:
             return None
         return ISAS[self._library().jitney_set_isa(ISAS.index(isa))]
+
+    @property
+    def activation_digits(self) -> int | None:
+        """The int8 digits the integer one passes give an activation (None: the reference)."""
+        return self._library().jitney_activation_digits() if self.is_native else None
+
+    def set_activation_digits(self, digits: int) -> int | None:
+        """1 or 2 digits per activation from now on, process-wide; returns those in use."""
+        if digits not in ACTIVATION_DIGITS:
+            raise ValueError(f"activation digits must be one of {ACTIVATION_DIGITS}, got {digits}")
+        if not self.is_native:
+            return None
+        return self._library().jitney_set_activation_digits(digits)
 
     def _library(self) -> ctypes.CDLL:
         # The same shared object torch loaded (dlopen returns the loaded handle).

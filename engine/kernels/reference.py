@@ -91,9 +91,12 @@ def quant_linear(
     return F.linear(x, dequantize(blocks, MATRIX_KINDS[kind], rows))
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 [T, K] -> (hi, lo int8 [T, K], scale float32 [T, K/32]): each block of 32 as two
-    int8 digits, x ~ scale * (254 hi + lo) (the VNNI kernel's activations, csrc/quant_vnni.cpp)."""
+def quantize_activations(
+    x: torch.Tensor, digits: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 [T, K] -> (hi, lo int8 [T, K], scale float32 [T, K/32]): each block of 32 as int8
+    digits, x ~ scale * (254 hi + lo), or with one digit x ~ scale * hi (lo zero) (the integer
+    one passes' activations, csrc/quant_vnni.cpp)."""
     t, k = x.shape
     blocks = x.reshape(t, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1)
@@ -101,28 +104,35 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
     v = blocks * inv.unsqueeze(-1)
     hi = v.round()
+    scale = amax.div(torch.full_like(amax, 127))
+    if digits == 1:
+        return hi.to(torch.int8).reshape(t, k), torch.zeros(t, k, dtype=torch.int8), scale
     lo = ((v - hi) * 254).round()
-    scale = amax.div(torch.full_like(amax, 127)).div(torch.full_like(amax, 254))
+    scale = scale.div(torch.full_like(amax, 254))
     return hi.to(torch.int8).reshape(t, k), lo.to(torch.int8).reshape(t, k), scale
 
 
 def quant_linear_int8_activations(
-    x: torch.Tensor, blocks: torch.Tensor, kind: str, rows: int
+    x: torch.Tensor, blocks: torch.Tensor, kind: str, rows: int, digits: int = 2
 ) -> torch.Tensor:
-    """What the VNNI one-pass kernel computes, in float64: per block, d * scale * (the exact
-    integer dot of the weight quants and 254 hi + lo), plus Q4_1's m * sum(x) with the float
-    activations' block sums."""
+    """What the integer one-pass kernels compute, in float64: per block, d * scale * (the exact
+    integer dot of the weight quants and 254 hi + lo, or hi), plus Q4_1's m * the block sum of
+    the float activations (two digits) or of the rounded ones, scale * sum(hi) (one digit)."""
     qw, d, m = unpack(blocks, kind, rows)
-    hi, lo, scale = quantize_activations(x)
-    digits = hi.double() * 254 + lo.double()
+    hi, lo, scale = quantize_activations(x, digits)
+    values = hi.double() * 254 + lo.double() if digits == 2 else hi.double()
     t, k = x.shape
     y = torch.zeros(t, rows, dtype=torch.float64)
     for b in range(k // BLOCK):
         cols = slice(b * BLOCK, (b + 1) * BLOCK)
-        dot = digits[:, cols] @ qw[:, cols].double().T  # exact: integers below 2^53
+        dot = values[:, cols] @ qw[:, cols].double().T  # exact: integers below 2^53
         y += dot * (scale[:, b : b + 1].double() * d[:, b].double())
         if m is not None:
-            y += x[:, cols].double().sum(dim=1, keepdim=True) * m[:, b].double()
+            if digits == 2:
+                total = x[:, cols].double().sum(dim=1, keepdim=True)
+            else:
+                total = scale[:, b : b + 1].double() * hi[:, cols].double().sum(dim=1, keepdim=True)
+            y += total * m[:, b].double()
     return y
 
 

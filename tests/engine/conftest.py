@@ -33,6 +33,16 @@ def exact_linears():
         backend.set_isa(before)
 
 
+@pytest.fixture
+def restores_activation_digits():
+    """The kernels' digits per activation are process-wide and an engine sets them when it
+    starts: back to the default after a test that asked for one digit."""
+    yield
+    from engine.kernels import kernel_backend
+
+    kernel_backend().set_activation_digits(2)
+
+
 # The highest instruction set under each one that rounds activations whose one pass is exact.
 EXACT_BELOW = {"avx2-int16": "avx2", "vnni": "avx512", "amx": "avx512"}
 

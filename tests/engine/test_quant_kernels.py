@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,9 @@ HEAD_ROWS = 3001  # an odd slice of the 49152-row LM head keeps the test fast (a
 # The instruction sets this machine can run, lowest first (the reference alone: none).
 ISAS = kernel_backend().available_isas()
 # Relative error (of sum_k |x_k w_k|) of each way to compute: float32 sums, or bf16 tiles (x and
-# w each rounded to 8 bits of mantissa: at most about 2^-8 of the scale).
-EXACT, BF16, INT8_ACTIVATIONS = 1e-4, 8e-3, 1.5e-2
+# w each rounded to 8 bits of mantissa: at most about 2^-8 of the scale), or activations rounded
+# to int8 digits (two; one: each within 1/254 of its block's largest).
+EXACT, BF16, INT8_ACTIVATIONS, ONE_DIGIT = 1e-4, 8e-3, 1.5e-2, 3e-2
 
 native_only = pytest.mark.skipif(
     not kernel_backend().is_native, reason=f"C++ kernels not in use: {kernel_backend().reason}"
@@ -76,12 +78,14 @@ def pack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> Q4_1Weights | Q8_0W
     return cls.from_gguf_blocks(blocks, (n, blocks.shape[1] // block_bytes * 32))
 
 
-def tolerance(isa: str | None, path: str) -> float:
-    """Against the dense product: float32 sums, AMX's bf16 tiles, or the VNNI one pass's int8
-    activations (whose own arithmetic assert_kernel_result checks to float32 rounding)."""
+def tolerance(isa: str | None, path: str, digits: int = 2) -> float:
+    """Against the dense product: float32 sums, AMX's bf16 tiles, or the integer one passes'
+    int8 activations (whose own arithmetic assert_kernel_result checks to float32 rounding)."""
     if isa == "amx" and path == "batched":
         return BF16
-    return INT8_ACTIVATIONS if int8_activations(isa, path) else EXACT
+    if not int8_activations(isa, path):
+        return EXACT
+    return INT8_ACTIVATIONS if digits == 2 else ONE_DIGIT
 
 
 def int8_activations(isa: str | None, path: str) -> bool:
@@ -91,14 +95,19 @@ def int8_activations(isa: str | None, path: str) -> bool:
 
 
 def assert_kernel_result(
-    y: torch.Tensor, x: torch.Tensor, w: Q4_1Weights | Q8_0Weights, isa: str | None, path: str
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: Q4_1Weights | Q8_0Weights,
+    isa: str | None,
+    path: str,
+    digits: int = 2,
 ) -> None:
     """y is the product within the path's tolerance of the dense one; on an int8-activation
     path also, to float32 rounding, the int8 arithmetic the kernel claims (reference.py)."""
     dense = w.dequantize()
-    assert_linear_matches(y, x, dense, tolerance(isa, path))
+    assert_linear_matches(y, x, dense, tolerance(isa, path, digits))
     if int8_activations(isa, path):
-        want = reference.quant_linear_int8_activations(x, w.blocks, w.kind, w.rows)
+        want = reference.quant_linear_int8_activations(x, w.blocks, w.kind, w.rows, digits)
         scale = x.double().abs() @ dense.double().abs().T
         worst = ((y.double() - want).abs() / scale.clamp_min(1e-30)).max().item()
         assert worst <= EXACT, f"int8 arithmetic: relative error {worst:.2e} > {EXACT:.0e}"
@@ -155,18 +164,65 @@ def test_linear_runs_under_inference_mode(path, isa) -> None:
         assert_kernel_result(y, x, w, isa, path)
 
 
-@pytest.mark.parametrize(
-    "level", [i for i in ISAS if int8_activations(i, "one-pass") or i == "avx2"]
-)
-def test_int8_activations_give_a_token_the_same_product_in_any_batch(level) -> None:
-    """With int8 activations every sum is an exact integer and each token's epilogue the same, so
-    a token's product is bit for bit the same alone or beside others (a verification's rows
-    are plain decoding's), in every tile size. AVX2's float one pass sums each token in one order
-    in every tile size, so it holds there too; AVX-512's float one pass only rounds alike."""
+@pytest.fixture(params=(2, 1), ids=("two-digits", "one-digit"))
+def digits(request):
+    """The integer one passes' digits per activation, each in turn (restored to two after)."""
+    backend = kernel_backend()
+    if not backend.is_native:
+        pytest.skip(f"C++ kernels not in use: {backend.reason}")
+    assert backend.set_activation_digits(request.param) == request.param
+    yield request.param
+    backend.set_activation_digits(2)
+
+
+@contextmanager
+def kernel_level(level: str):
     backend = kernel_backend()
     before = backend.isa
     try:
         assert backend.set_isa(level) == level
+        yield
+    finally:
+        backend.set_isa(before)
+
+
+@pytest.mark.parametrize("level", [i for i in ISAS if int8_activations(i, "one-pass")])
+def test_one_digit_per_activation_is_the_arithmetic_it_claims(gguf_matrices, level) -> None:
+    """`--activation-digits 1`: each activation one int8 digit (Q4_1's minimum term from the
+    rounded activations' sums), to float32 rounding of reference.py's arithmetic, at every token
+    count; and coarser than two digits, so the setting took."""
+    backend = kernel_backend()
+    gen = torch.Generator().manual_seed(3)
+    with kernel_level(level):
+        try:
+            for label, blocks, qtype in matrices(gguf_matrices):
+                w = dataclasses.replace(pack(blocks, qtype), batched_min_tokens=PATHS["one-pass"])
+                for t in TOKENS:
+                    x = torch.randn(t, w.in_features, generator=gen)
+                    assert backend.set_activation_digits(1) == 1
+                    one = w.linear(x)
+                    try:
+                        assert_kernel_result(one, x, w, level, "one-pass", digits=1)
+                    except AssertionError as exc:
+                        raise AssertionError(f"{label}, {level}, T={t}: {exc}") from exc
+                    backend.set_activation_digits(2)
+                    exact = x.double() @ w.dequantize().double().T
+                    two = w.linear(x)
+                    assert (one - exact).abs().mean() > 4 * (two - exact).abs().mean(), label
+        finally:
+            backend.set_activation_digits(2)
+
+
+@pytest.mark.parametrize(
+    "level", [i for i in ISAS if int8_activations(i, "one-pass") or i == "avx2"]
+)
+def test_int8_activations_give_a_token_the_same_product_in_any_batch(level, digits) -> None:
+    """With int8 activations every sum is an exact integer and each token's epilogue the same, so
+    a token's product is bit for bit the same alone or beside others (a verification's rows
+    are plain decoding's), in every tile size, with one digit or two. AVX2's float one pass sums
+    each token in one order in every tile size, so it holds there too; AVX-512's float one pass
+    only rounds alike."""
+    with kernel_level(level):
         for kind in ("Q4_1", "Q8_0"):
             w = pack(random_blocks(kind, 77, 576), GGMLQuantizationType[kind])
             w = dataclasses.replace(w, batched_min_tokens=PATHS["one-pass"])
@@ -174,30 +230,23 @@ def test_int8_activations_give_a_token_the_same_product_in_any_batch(level) -> N
             alone = torch.cat([w.linear(x[i : i + 1]) for i in range(13)])
             for n in (13, 8, 5, 2):  # tiles of 8 and 5, and of 2 (two sums a block); AVX2: 6
                 assert torch.equal(w.linear(x[:n]), alone[:n]), (kind, n)
-    finally:
-        backend.set_isa(before)
 
 
 @pytest.mark.skipif("vnni" not in ISAS, reason="needs a CPU with AVX-512 VNNI")
-def test_avx2_integer_one_pass_gives_the_vnni_kernels_results_bit_for_bit() -> None:
-    """AVX2's integer one pass joins VNNI's two digits into one int16 and keeps its epilogue, so
-    a model computes the same on either CPU (and AVX2 CPUs take the arithmetic VNNI's perplexity
-    was measured with)."""
-    backend = kernel_backend()
-    before = backend.isa
+def test_avx2_integer_one_pass_gives_the_vnni_kernels_results_bit_for_bit(digits) -> None:
+    """AVX2's integer one pass joins VNNI's two digits into one int16 (or takes its one) and
+    keeps its epilogue, so a model computes the same on either CPU (and AVX2 CPUs take the
+    arithmetic VNNI's perplexity was measured with)."""
     x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(2)) * 3
-    try:
-        for kind in ("Q4_1", "Q8_0"):
-            w = pack(random_blocks(kind, 77, 1536), GGMLQuantizationType[kind])
-            w = dataclasses.replace(w, batched_min_tokens=PATHS["one-pass"])
-            products = {}
-            for level in ("avx2-int16", "vnni"):
-                assert backend.set_isa(level) == level
+    for kind in ("Q4_1", "Q8_0"):
+        w = pack(random_blocks(kind, 77, 1536), GGMLQuantizationType[kind])
+        w = dataclasses.replace(w, batched_min_tokens=PATHS["one-pass"])
+        products = {}
+        for level in ("avx2-int16", "vnni"):
+            with kernel_level(level):
                 products[level] = [w.linear(x[:n]) for n in (1, 2, 6, 13)]
-            for a, b in zip(products["avx2-int16"], products["vnni"], strict=True):
-                assert torch.equal(a, b), kind
-    finally:
-        backend.set_isa(before)
+        for a, b in zip(products["avx2-int16"], products["vnni"], strict=True):
+            assert torch.equal(a, b), kind
 
 
 def test_automatic_crossover_takes_each_path_by_its_token_count(isa) -> None:
@@ -435,6 +484,17 @@ def test_a_capped_process_reports_its_cap(cap) -> None:
     )
     want = cap if kernel_backend().is_native else "reference"
     assert run_python(code, JITNEY_KERNEL_ISA=cap) == want
+
+
+@native_only
+def test_a_process_told_one_digit_by_its_environment_uses_one() -> None:
+    """JITNEY_ACTIVATION_DIGITS=1, read when the library loads; anything else keeps two."""
+    code = "from engine.kernels import kernel_backend\nprint(kernel_backend().activation_digits)\n"
+    assert run_python(code, JITNEY_ACTIVATION_DIGITS="1") == "1"
+    assert run_python(code, JITNEY_ACTIVATION_DIGITS="3") == "2"
+    assert kernel_backend().activation_digits == 2
+    with pytest.raises(ValueError, match="activation digits must be one of"):
+        kernel_backend().set_activation_digits(3)
 
 
 def test_forced_reference_process_uses_the_fallback() -> None:

@@ -12,13 +12,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.config import SPEC, EngineConfig
-from engine.kernels import Q4_1Weights
-from engine.kernels.build import DRAFT_ROW_COST, ISAS, ONE_PASS_TOKENS
+from engine.kernels import Q4_1Weights, kernel_backend
+from engine.kernels.build import DRAFT_ROW_COST, INTEGER_ISAS, ISAS, ONE_PASS_TOKENS
 from engine.layers.quantized import COVERED_KINDS, QuantizedLinear, uncovered_kinds
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.model_loader import LoadedModel, load_model
 from engine.runner.model_runner import gguf_block_weights, resolve_forward, resolve_quantization
 from tests.engine.engine_helpers import make_engine
+from tests.engine.speculation_helpers import GREEDY, PROMPTS, both, run
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,26 @@ def test_auto_is_the_default_and_explicit_choices_still_validate() -> None:
         EngineConfig(quantization="gguf", model_impl="transformers")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="q4")
+
+
+def test_one_activation_digit_is_the_engine_s_choice_and_keeps_speculation_exact(
+    smollm2, restores_activation_digits
+) -> None:
+    """`--activation-digits 1`: the engine sets the kernels' digits when it starts; SmolLM2's
+    greedy tokens with speculation are still plain decoding's (a token's product is the same in
+    any step), and its log-probs are no longer two digits' (the setting took)."""
+    backend = kernel_backend()
+    if backend.isa not in INTEGER_ISAS:
+        pytest.skip(f"the kernels' level here ({backend.isa}) rounds no activations")
+    requests = [(p, GREEDY) for p in PROMPTS]
+    plain, spec, engine = both(smollm2, requests, logprobs=True, activation_digits=1)
+    assert backend.activation_digits == 1
+    assert spec == plain and engine.stats.num_accepted_tokens_total > 0
+    two = run(make_engine(smollm2, kv_cache_memory="16MiB", speculative="none"), requests, True)
+    assert backend.activation_digits == 2
+    assert two != plain
+    with pytest.raises(ValueError, match="activation_digits must be one of"):
+        EngineConfig(activation_digits=3)
 
 
 def test_speculation_drafts_within_one_pass_of_the_kernels_in_use(smollm2, loaded, isa) -> None:

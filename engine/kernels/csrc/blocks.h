@@ -75,25 +75,34 @@ void gemv_avx2(const PackedMatrix& w, const float* x, const float* sx, int64_t T
                int64_t ldy, int64_t g0, int64_t g1);
 void gemv_avx512(const PackedMatrix& w, const float* x, const float* sx, int64_t T, float* y,
                  int64_t ldy, int64_t g0, int64_t g1);
-// Activations as two int8 digits per value, per block of 32 (quant_vnni.cpp says why):
-// x ~ scale * (254 hi + lo); hi, lo [T, K]; scale, and the digits' sums, [T, NB].
+// Activations as int8 digits per value, per block of 32 (quant_vnni.cpp says why): with two,
+// x ~ scale * (254 hi + lo); with one, x ~ scale * hi (lo and lo_sum unused); hi, lo [T, K];
+// scale, the digits' sums, and (one digit) the rounded activations' sums scale * hi_sum, [T, NB].
 struct Int8Digits {
   int8_t* hi;
   int8_t* lo;
   float* scale;
   int32_t* hi_sum;
   int32_t* lo_sum;
+  float* rounded_sum;
+  int digits;
 };
 void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out);
-// The one pass with integer dot products (quant_vnni.cpp); sx as above.
+// The one pass with integer dot products (quant_vnni.cpp); sx as above, or with one digit the
+// rounded activations' sums.
 void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
                int64_t ldy, int64_t g0, int64_t g1);
-// The same activations as one int16 each, 254 hi + lo (quant_avx2_int.cpp): values [T, K],
-// scale [T, NB] as Int8Digits'.
+// The same activations as one int16 each (quant_avx2_int.cpp): 254 hi + lo, or hi with one
+// digit; values [T, K], scale and rounded_sum [T, NB] as Int8Digits'.
 struct Int16Activations {
   int16_t* values;
   float* scale;
+  float* rounded_sum;
+  int digits;
 };
+// How many int8 digits the integer one passes give each activation: 2 (default) or 1
+// (cpu_isa.cpp: JITNEY_ACTIVATION_DIGITS when the library loads, jitney_set_activation_digits).
+int activation_digits();
 // Tokens a tile of the AVX2 integer one pass serves from registers.
 constexpr int kInt16Tile = 6;
 void quantize_activations_int16(const float* x, int64_t T, int64_t K, Int16Activations& out);

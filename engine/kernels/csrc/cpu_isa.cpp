@@ -2,6 +2,9 @@
 // or a lower one when capped. The cap comes from JITNEY_KERNEL_ISA (avx2, avx2-int16, avx512,
 // vnni, amx) when the library loads, or from jitney_set_isa() (engine/kernels/build.py calls it
 // through ctypes, so the tests can run every path this machine has in one process).
+// Also how many int8 digits the integer one passes give an activation (quant_vnni.cpp): 2, or 1
+// from JITNEY_ACTIVATION_DIGITS=1 when the library loads, or from jitney_set_activation_digits()
+// (the engine's --activation-digits).
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -50,12 +53,20 @@ int from_env(int best) {
   return best;  // "amx" or anything else: no cap
 }
 
+int digits_from_env() {
+  const char* digits = std::getenv("JITNEY_ACTIVATION_DIGITS");
+  return digits != nullptr && std::strcmp(digits, "1") == 0 ? 1 : 2;
+}
+
 const int kBest = detect();
 std::atomic<int> active{from_env(kBest)};
+std::atomic<int> digits{digits_from_env()};
 
 }  // namespace
 
 int active_isa() { return active.load(std::memory_order_relaxed); }
+
+int activation_digits() { return digits.load(std::memory_order_relaxed); }
 
 bool amx_usable() { return kBest >= kAmx; }
 
@@ -71,5 +82,11 @@ int jitney_set_isa(int cap) {
   const int use = cap < jitney_kernels::kBest ? (cap < 0 ? 0 : cap) : jitney_kernels::kBest;
   jitney_kernels::active.store(use);
   return use;
+}
+int jitney_activation_digits() { return jitney_kernels::activation_digits(); }
+// 1 or 2 (anything else: 2); returns the digits now in use.
+int jitney_set_activation_digits(int n) {
+  jitney_kernels::digits.store(n == 1 ? 1 : 2);
+  return jitney_kernels::activation_digits();
 }
 }

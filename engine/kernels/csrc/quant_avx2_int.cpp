@@ -2,7 +2,7 @@
 // (quant_vnni.cpp), so the same results bit for bit, with instructions every AVX2 CPU has.
 //
 // Each activation is the VNNI kernel's two int8 digits joined into one int16, x16 = 254 hi + lo
-// (|x16| <= 32385), and vpmaddwd multiplies pairs of int16 quants with pairs of int16
+// (|x16| <= 32385; with one digit, x16 = hi), and vpmaddwd multiplies pairs of int16 quants with pairs of int16
 // activations into int32: 16 multiply-adds an instruction (and an add) where a float FMA does 8.
 // Past three or four tokens the float one pass (gemv_avx2) is bound by its arithmetic, not by the
 // weights' read; that is what a verification step of one sequence and its drafts, or a decode
@@ -134,15 +134,24 @@ void quantize_activations_int16(const float* x, int64_t T, int64_t K, Int16Activ
     __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(b));
     for (int k = 8; k < kBlock; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + k)));
     const float amax = hmax(m);
-    out.scale[i] = amax / 127.0f / 254.0f;
+    const bool two = out.digits == 2;
+    out.scale[i] = two ? amax / 127.0f / 254.0f : amax / 127.0f;
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i joined[4];
+    __m256i joined[4], hi_sum = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k) {
       const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(b + 8 * k), inv);
       const __m256 vh = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m256i qh = _mm256_cvtps_epi32(vh);
       const __m256i ql = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v, vh), base));
-      joined[k] = _mm256_add_epi32(_mm256_mullo_epi32(qh, base_i), ql);
+      joined[k] = two ? _mm256_add_epi32(_mm256_mullo_epi32(qh, base_i), ql) : qh;
+      hi_sum = _mm256_add_epi32(hi_sum, qh);
+    }
+    if (!two) {  // VNNI's rounded_sum: the same int32 total, the same float product
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), hi_sum);
+      int32_t total = 0;
+      for (const int32_t lane : lanes) total += lane;
+      out.rounded_sum[i] = out.scale[i] * static_cast<float>(total);
     }
     // packs interleaves 128-bit lanes; the permute puts the values back in order.
     for (int k = 0; k < 2; ++k) {

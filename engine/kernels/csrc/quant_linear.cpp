@@ -204,12 +204,13 @@ at::Tensor block_sums(const at::Tensor& x) {
 // thread, kept.
 struct Int16Buffer {
   std::vector<int16_t> values;
-  std::vector<float> scale;
+  std::vector<float> scale, rounded_sum;
   Int16Activations view;
-  void quantize(const float* x, int64_t T, int64_t K) {
+  void quantize(const float* x, int64_t T, int64_t K, int digits) {
     values.resize(T * K);
     scale.resize(T * K / kBlock);
-    view = {values.data(), scale.data()};
+    rounded_sum.resize(T * K / kBlock);
+    view = {values.data(), scale.data(), rounded_sum.data(), digits};
     quantize_activations_int16(x, T, K, view);
   }
 };
@@ -217,22 +218,30 @@ struct Int16Buffer {
 // x as int8 digits (quant_vnni.cpp), for the integer-dot one pass: one buffer per thread, kept.
 struct Int8Activations {
   std::vector<int8_t> digits;
-  std::vector<float> scale;
+  std::vector<float> scale, rounded_sum;
   std::vector<int32_t> sums;
   Int8Digits view;
-  void quantize(const float* x, int64_t T, int64_t K) {
+  void quantize(const float* x, int64_t T, int64_t K, int num_digits) {
     const int64_t nb = T * K / kBlock;
-    digits.resize(2 * T * K);
+    digits.resize(num_digits * T * K);
     scale.resize(nb);
-    sums.resize(2 * nb);
-    view = {digits.data(), digits.data() + T * K, scale.data(), sums.data(), sums.data() + nb};
+    rounded_sum.resize(nb);
+    sums.resize(num_digits * nb);
+    int8_t* lo = num_digits == 2 ? digits.data() + T * K : nullptr;
+    int32_t* lo_sum = num_digits == 2 ? sums.data() + nb : nullptr;
+    view = {digits.data(), lo, scale.data(), sums.data(), lo_sum, rounded_sum.data(), num_digits};
     quantize_activations(x, T, K, view);
   }
 };
 
 void one_pass(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y, int isa) {
   const int64_t T = x.size(0);
-  const at::Tensor sx = w.kind == Kind::kQ4_1 ? block_sums(x) : at::Tensor();
+  const bool q4_1 = w.kind == Kind::kQ4_1;
+  const bool integer = isa >= kVnni || isa == kAvx2Int16;
+  const int digits = integer ? activation_digits() : 2;
+  // Q4_1's minimum term: the block sums of x, or with one digit of the rounded activations
+  // (the quantizers write those).
+  const at::Tensor sx = q4_1 && digits == 2 ? block_sums(x) : at::Tensor();
   const float* xp = x.data_ptr<float>();
   const float* sp = sx.defined() ? sx.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -241,9 +250,10 @@ void one_pass(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y, int isa
   const int64_t chunk = std::max<int64_t>(1, (w.G + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads()));
   if (isa >= kVnni) {
     static thread_local Int8Activations xq;
-    xq.quantize(xp, T, w.K());
+    xq.quantize(xp, T, w.K(), digits);
     // A copy: the pool's threads name their own (empty) thread_local, not this one.
     const Int8Digits view = xq.view;
+    if (q4_1 && digits == 1) sp = view.rounded_sum;
     parallel_chunks(w.G, chunk, [&](int64_t g0, int64_t g1) {
       gemv_vnni(w, view, sp, T, yp, w.N, g0, g1);
     });
@@ -251,8 +261,9 @@ void one_pass(const PackedMatrix& w, const at::Tensor& x, at::Tensor& y, int isa
   }
   if (isa == kAvx2Int16) {
     static thread_local Int16Buffer xq;
-    xq.quantize(xp, T, w.K());
+    xq.quantize(xp, T, w.K(), digits);
     const Int16Activations view = xq.view;  // a copy, as above
+    if (q4_1 && digits == 1) sp = view.rounded_sum;
     parallel_chunks(w.G, chunk, [&](int64_t g0, int64_t g1) {
       gemv_avx2_int16(w, view, sp, T, yp, w.N, g0, g1);
     });

@@ -6,16 +6,21 @@
 // not by the weights' read, which is what a verification step of one sequence and its drafts
 // (or a small decode batch) pays for.
 //
-// One int8 per activation (llama.cpp's Q8 activations) cost SmolLM2-135M 1.2% perplexity, past
-// the 1% the 4-bit path may lose (docs/performance.md), so each activation is two int8 digits:
-// x ~ dx * (hi + lo / 254), dx = max|x| / 127 over the block, hi = round(x / dx), lo =
-// round((x / dx - hi) * 254): about 15 bits, within 1.5e-5 of the block's largest value, for two
-// vpdpbusd per token and four elements.
+// Each activation is two int8 digits by default: x ~ dx * (hi + lo / 254), dx = max|x| / 127
+// over the block, hi = round(x / dx), lo = round((x / dx - hi) * 254): about 15 bits, within
+// 1.5e-5 of the block's largest value, for two vpdpbusd per token and four elements; greedy
+// tokens match the dense model's. With one digit (`--activation-digits 1`, llama.cpp's Q8
+// activations) x ~ dx * hi, one vpdpbusd: 1.5x the tokens/s of a 64-request trace on a
+// Zen 4, for +0.3% perplexity and 3% of greedy tokens unlike the dense model's
+// (docs/performance.md). The digits are the process's setting (cpu_isa.cpp).
 //
 // Per block and token the integer sums are exact; the block's float epilogue is
-// d * dx / 254 * (254 hi_sum + lo_sum) (+ m * sum(x) for Q4_1, that sum in float32 from the exact
-// activations), in the same order for every token, so a token's result does not depend on the
-// others in the call. reference.py's quant_linear_int8_activations is the same arithmetic.
+// d * dx / 254 * (254 hi_sum + lo_sum), or d * dx * hi_sum with one digit (+ m * sum for Q4_1:
+// with two digits the sum of the exact activations, with one the sum of the rounded ones,
+// dx * hi_sum, whose rounding errors then meet the weights as d q + m, centred, rather than as
+// the quants q alone: 4x less error on SmolLM2's matrices), in the same order for every token,
+// so a token's result does not depend on the others in the call. reference.py's
+// quant_linear_int8_activations is the same arithmetic.
 //
 // Lanes are the record's 16 rows, as everywhere (blocks.h); vpdpbusd wants each lane to hold
 // four consecutive elements of its row, which one vpermb (and for Q4_1 one vpmultishiftqb to
@@ -86,7 +91,7 @@ inline __m512i quads(const uint8_t* rec, int j) {
 
 // TT tokens (1-8) of group g, C independent integer sums per block and token (C = 2 breaks the
 // chain of eight dependent vpdpbusd a block is for one or two tokens).
-template <Kind kKind, int TT, int C>
+template <Kind kKind, int TT, int C, int kDigits>
 void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const float* sx,
                 int64_t t0, float* y, int64_t ldy) {
   const int64_t K = w.K(), NB = w.NB, R = record_bytes(kKind);
@@ -109,11 +114,14 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const flo
       const int c = j % C;
 #pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) {
-        int32_t h, l;
+        int32_t h;
         __builtin_memcpy(&h, x.hi + xoff + t * K + 4 * j, 4);
-        __builtin_memcpy(&l, x.lo + xoff + t * K + 4 * j, 4);
         hi[t][c] = _mm512_dpbusd_epi32(hi[t][c], wq, _mm512_set1_epi32(h));
-        lo[t][c] = _mm512_dpbusd_epi32(lo[t][c], wq, _mm512_set1_epi32(l));
+        if constexpr (kDigits == 2) {
+          int32_t l;
+          __builtin_memcpy(&l, x.lo + xoff + t * K + 4 * j, 4);
+          lo[t][c] = _mm512_dpbusd_epi32(lo[t][c], wq, _mm512_set1_epi32(l));
+        }
       }
     }
     const __m512 d = load_f16(rec + scales_offset(kKind));
@@ -126,10 +134,10 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const flo
       const int64_t tb = (t0 + t) * NB + b;
       if constexpr (kKind == Kind::kQ8_0) {  // the weights were read as w + 128
         sh = _mm512_sub_epi32(sh, _mm512_set1_epi32(128 * x.hi_sum[tb]));
-        sl = _mm512_sub_epi32(sl, _mm512_set1_epi32(128 * x.lo_sum[tb]));
+        if constexpr (kDigits == 2) sl = _mm512_sub_epi32(sl, _mm512_set1_epi32(128 * x.lo_sum[tb]));
       }
-      const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh), _mm512_set1_ps(254.0f),
-                                       _mm512_cvtepi32_ps(sl));
+      __m512 s = _mm512_cvtepi32_ps(sh);
+      if constexpr (kDigits == 2) s = _mm512_fmadd_ps(s, _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(sl));
       acc[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(x.scale[tb])), acc[t]);
     }
     if constexpr (kKind == Kind::kQ4_1) {
@@ -148,7 +156,11 @@ void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const float* sx, int6
   for (int64_t g = g0; g < g1; ++g) {
     token_tiles<8>(T, [&](auto tile, int64_t t0) {
       constexpr int TT = decltype(tile)::value;
-      gemv_group<kKind, TT, (TT <= 2 ? 2 : 1)>(w, g, x, sx, t0, y, ldy);
+      if (x.digits == 1) {
+        gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 1>(w, g, x, sx, t0, y, ldy);
+      } else {
+        gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 2>(w, g, x, sx, t0, y, ldy);
+      }
     });
   }
 }
@@ -161,7 +173,8 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
     const float* b = x + i * kBlock;
     const float amax = _mm512_reduce_max_ps(
         _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(b)), _mm512_abs_ps(_mm512_loadu_ps(b + 16))));
-    out.scale[i] = amax / 127.0f / 254.0f;
+    const bool two = out.digits == 2;
+    out.scale[i] = two ? amax / 127.0f / 254.0f : amax / 127.0f;
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
@@ -172,12 +185,18 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
       const __m512i qh = _mm512_cvtps_epi32(vh);
       const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, vh), base));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(qh));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(ql));
       hs = _mm512_add_epi32(hs, qh);
-      ls = _mm512_add_epi32(ls, ql);
+      if (two) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(ql));
+        ls = _mm512_add_epi32(ls, ql);
+      }
     }
     out.hi_sum[i] = _mm512_reduce_add_epi32(hs);
-    out.lo_sum[i] = _mm512_reduce_add_epi32(ls);
+    if (two) {
+      out.lo_sum[i] = _mm512_reduce_add_epi32(ls);
+    } else {
+      out.rounded_sum[i] = out.scale[i] * static_cast<float>(out.hi_sum[i]);
+    }
   }
 }
 

@@ -130,9 +130,10 @@ def _pool(seed: int, num_blocks: int = 24, block_size: int = 16, kv_heads: int =
 @native_only
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("d", [64, 128, 40])  # AVX-512's 4 and 8 vectors a head, then AVX2's
-# Query heads per KV head: 3 (SmolLM2: the values weighed three heads at a time, or one) and 4
-# (Llama's: two pairs); all five rows (a task per KV head) or one (a task per query head).
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)])
+# Query heads per KV head, each read of a key or value serving up to four of them (two with
+# d=128): 3 (SmolLM2's), 4 (Llama's), 5 (four, then one) and 1 (multi-head attention); all five
+# rows (a task per KV head) or one (a task per query head).
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (10, 2), (4, 4)])
 @pytest.mark.parametrize("rows", [5, 1])
 def test_native_decode_matches_gathered_attention_in_place(window, d, heads, kv_heads, rows, isa):
     """Every instruction set's loop (AVX-512 for head sizes in 16s) equals gathered attention."""

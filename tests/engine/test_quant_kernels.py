@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.kernels import Q4_1Weights, Q8_0Weights, build, kernel_backend, reference
-from engine.kernels.build import unavailable_reason
+from engine.kernels.build import INTEGER_ISAS, unavailable_reason
 
 # Every tile remainder, both sides of each crossover.
 TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 33, 64, 130)
@@ -91,7 +91,7 @@ def tolerance(isa: str | None, path: str, digits: int = 2) -> float:
 def int8_activations(isa: str | None, path: str) -> bool:
     """The path rounds activations to int8 digits per block (the integer one passes: AVX2's,
     VNNI's and AMX's)."""
-    return isa in ("avx2-int16", "vnni", "amx") and path == "one-pass"
+    return isa in INTEGER_ISAS and path == "one-pass"
 
 
 def assert_kernel_result(

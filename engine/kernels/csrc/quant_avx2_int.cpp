@@ -2,8 +2,9 @@
 // (quant_vnni.cpp), so the same results bit for bit, with instructions every AVX2 CPU has.
 //
 // Each activation is the VNNI kernel's two int8 digits joined into one int16, x16 = 254 hi + lo
-// (|x16| <= 32385; with one digit, x16 = hi), and vpmaddwd multiplies pairs of int16 quants with pairs of int16
-// activations into int32: 16 multiply-adds an instruction (and an add) where a float FMA does 8.
+// (|x16| <= 32385; with one digit, x16 = hi), and vpmaddwd multiplies pairs of int16 quants with
+// pairs of int16 activations into int32: 16 multiply-adds an instruction (and an add) where a
+// float FMA does 8.
 // Past three or four tokens the float one pass (gemv_avx2) is bound by its arithmetic, not by the
 // weights' read; that is what a verification step of one sequence and its drafts, or a decode
 // batch, pays for on an AVX2 CPU. Measured on Zen 3 (docs/performance.md): 10-20% less time for
@@ -142,9 +143,13 @@ void quantize_activations_int16(const float* x, int64_t T, int64_t K, Int16Activ
       const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(b + 8 * k), inv);
       const __m256 vh = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m256i qh = _mm256_cvtps_epi32(vh);
-      const __m256i ql = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v, vh), base));
-      joined[k] = two ? _mm256_add_epi32(_mm256_mullo_epi32(qh, base_i), ql) : qh;
-      hi_sum = _mm256_add_epi32(hi_sum, qh);
+      if (two) {
+        const __m256i ql = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v, vh), base));
+        joined[k] = _mm256_add_epi32(_mm256_mullo_epi32(qh, base_i), ql);
+      } else {
+        joined[k] = qh;
+        hi_sum = _mm256_add_epi32(hi_sum, qh);
+      }
     }
     if (!two) {  // VNNI's rounded_sum: the same int32 total, the same float product
       alignas(32) int32_t lanes[8];

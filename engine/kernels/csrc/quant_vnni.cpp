@@ -183,10 +183,10 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
       const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(b + 16 * h), inv);
       const __m512 vh = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512i qh = _mm512_cvtps_epi32(vh);
-      const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, vh), base));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(qh));
       hs = _mm512_add_epi32(hs, qh);
       if (two) {
+        const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, vh), base));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(ql));
         ls = _mm512_add_epi32(ls, ql);
       }

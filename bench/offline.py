@@ -92,6 +92,7 @@ class TraceRun:
         self.made: list[tuple[float, int]] = []  # (own seconds, tokens so far) after each step
         self.made_total = 0
         self.by_drafts: dict[int, DraftSteps] = {}
+        self.prefill_s = 0.0  # in steps with a prefill chunk (the rest: by_drafts)
 
     @property
     def done(self) -> bool:
@@ -116,6 +117,8 @@ class TraceRun:
             entry = self.by_drafts.setdefault(drafts, DraftSteps())
             kept = stats.num_accepted_tokens_total - accepted
             entry.add(seconds, engine.last_step_timing.forward, kept)
+        else:
+            self.prefill_s += seconds
         now = self.elapsed + time.perf_counter() - step_start
         for out in step_outputs:
             self.outputs[out.request_id] += out.new_token_ids
@@ -166,6 +169,13 @@ class TraceRun:
                 # The row cost the policy priced drafts at when the run ended (measured, unless
                 # --speculative-draft-row-cost fixed it).
                 "spec_row_cost": engine.view.draft_row_cost,
+                # Where the steps' time went: prompts (steps with a prefill chunk), decode steps
+                # that verified no draft, and those that did (speculation's gain is in the last).
+                "time_split_s": {
+                    "prefill": self.prefill_s,
+                    "plain_decode": self.by_drafts[0].seconds if 0 in self.by_drafts else 0.0,
+                    "drafted_decode": sum(e.seconds for d, e in self.by_drafts.items() if d),
+                },
                 # Decode steps by the drafts they verified (none: no step verified any).
                 "steps_by_drafts": (
                     {d: e.summary() for d, e in sorted(self.by_drafts.items())}

@@ -51,6 +51,9 @@ class ModeSummary:
     # What the engine priced a draft row at when each run ended, as a share of a one-row step
     # (measured from its own steps unless --speculative-draft-row-cost fixed it).
     row_costs: list[float]
+    # Seconds in prefill steps, plain decode steps and decode steps with drafts (means over
+    # the rounds; TraceRun's time_split_s).
+    time_split_s: dict[str, float]
 
     @property
     def mean_tokens_per_s(self) -> float:
@@ -137,6 +140,23 @@ def _summary(mode: str, runs: list[RunResult]) -> ModeSummary:
         tokens_per_step=tokens / steps if steps else 0.0,
         tail_s=sum(r.extra["tail_s"] for r in runs) / len(runs),
         row_costs=[r.extra["spec_row_cost"] for r in runs],
+        time_split_s={
+            part: sum(r.extra["time_split_s"][part] for r in runs) / len(runs)
+            for part in runs[0].extra["time_split_s"]
+        },
+    )
+
+
+def format_time_split(report: ABReport) -> str:
+    """Where each mode's steps spent their time (means): prompts cost both modes alike, and
+    only the decode steps that verified drafts can buy back the plain ones."""
+
+    def split(s: ModeSummary) -> str:
+        return " / ".join(f"{seconds:.2f}" for seconds in s.time_split_s.values())
+
+    return (
+        "seconds in prefill steps / decode steps without drafts / with drafts (means): "
+        f"off {split(report.off)}, on {split(report.on)}"
     )
 
 
@@ -170,6 +190,7 @@ def to_json(report: ABReport, args: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_step": s.tokens_per_step,
             "tail_s": s.tail_s,
             "row_costs": s.row_costs,
+            "time_split_s": s.time_split_s,
         }
 
     return {
@@ -271,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"same tokens with and without speculation: {report.same_tokens}")
     costs = ", ".join(f"{c:.3f}" for c in report.on.row_costs)
     print(f"a draft row priced at (share of a one-row step, by round): {costs}")
+    print(format_time_split(report))
     if args.output:
         Path(args.output).write_text(json.dumps(to_json(report, vars(args)), indent=2))
 

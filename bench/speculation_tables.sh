@@ -12,7 +12,8 @@
 # - mixed-64: ../shared/traces/mixed-64.json, all 64 requests at t=0
 # Prints a markdown table: tokens/s per run, the speed-up of the means (the rounds' own range),
 # drafts kept, tokens a step (one request at a time), and the seconds the last 25% of the tokens
-# took (off / on, means).
+# took (off / on, means); then per trace where each mode's steps spent their time (prompts,
+# plain decode steps, decode steps with drafts).
 set -eu
 OUT=${1:?usage: bench/speculation_tables.sh OUT_DIR [ROUNDS]}
 ROUNDS=${2:-3}
@@ -39,3 +40,4 @@ ab mixed-64 "\`mixed-64.json\`, all 64 at t=0" "$TRACES/mixed-64.json"
 head -n 2 "$OUT/quoting.md"
 for name in quoting one-user mixed-64; do sed -n 3p "$OUT/$name.md"; done
 grep -h "same tokens" "$OUT"/*.md
+for name in quoting one-user mixed-64; do echo "$name: $(grep -h 'seconds in prefill' "$OUT/$name.md")"; done

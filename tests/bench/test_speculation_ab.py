@@ -68,6 +68,13 @@ def test_engines_in_turn_give_what_each_gives_alone_each_timed_by_its_own_steps(
     # (a clock that counted the other's steps too would take about all of it).
     own = [r.wall_s - b for r, b in zip((off, on), before, strict=True)]
     assert all(s > 0 for s in own) and sum(own) <= stepping
+    # Every step's time is in one part of the split: the prompts, plain decodes, verifications.
+    for run, result in zip(runs, (off, on), strict=True):
+        split = result.extra["time_split_s"]
+        assert split["prefill"] > 0 and split["plain_decode"] >= 0
+        assert sum(split.values()) == pytest.approx(run.step_s)
+    assert off.extra["time_split_s"]["drafted_decode"] == 0
+    assert on.extra["time_split_s"]["drafted_decode"] > 0
     assert max(off.latencies_s.values()) <= off.wall_s
 
 
@@ -120,7 +127,10 @@ def test_the_command_writes_its_report(tmp_path, capsys):
     assert report["args"]["pairing"] == "lockstep"
     assert len(report["on"]["row_costs"]) == 1 and 0 <= report["on"]["row_costs"][0] <= 1
     assert report["off"]["mode"] == "none" and report["on"]["mode"] == "ngram"
-    assert "same tokens with and without speculation: True" in capsys.readouterr().out
+    assert set(report["on"]["time_split_s"]) == {"prefill", "plain_decode", "drafted_decode"}
+    printed = capsys.readouterr().out
+    assert "same tokens with and without speculation: True" in printed
+    assert "seconds in prefill steps / decode steps without drafts / with drafts" in printed
     with pytest.raises(SystemExit):  # none against none compares nothing
         main([*argv, "--speculative", "none"])
     with pytest.raises(SystemExit):

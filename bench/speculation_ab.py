@@ -106,7 +106,7 @@ def run_ab(
             runs[m].append(result)
             say(f"round {r + 1} --speculative {m}: {result.tokens_per_s:.1f} tokens/s")
     same = all(a.outputs == b.outputs for a, b in zip(runs[OFF], runs[mode], strict=True))
-    return ABReport(_summary(OFF, runs[OFF]), _summary(mode, runs[mode]), same)
+    return ABReport(summarize_mode(OFF, runs[OFF]), summarize_mode(mode, runs[mode]), same)
 
 
 def check_pairing(config: EngineConfig, pairing: str) -> None:
@@ -128,7 +128,8 @@ def run_in_turn(runs: Sequence[TraceRun]) -> None:
                 run.step()
 
 
-def _summary(mode: str, runs: list[RunResult]) -> ModeSummary:
+def summarize_mode(mode: str, runs: list[RunResult]) -> ModeSummary:
+    """One mode's runs, in round order, summed up."""
     drafted = sum(r.extra["spec_draft_tokens"] for r in runs)
     kept = sum(r.extra["spec_accepted_tokens"] for r in runs)
     tokens = sum(r.num_output_tokens for r in runs)
@@ -181,21 +182,22 @@ TABLE_HEADER = (
 )
 
 
-def to_json(report: ABReport, args: dict[str, Any]) -> dict[str, Any]:
-    def mode(s: ModeSummary) -> dict[str, Any]:
-        return {
-            "mode": s.mode,
-            "tokens_per_s": s.tokens_per_s,
-            "kept": s.kept,
-            "tokens_per_step": s.tokens_per_step,
-            "tail_s": s.tail_s,
-            "row_costs": s.row_costs,
-            "time_split_s": s.time_split_s,
-        }
-
+def summary_json(s: ModeSummary) -> dict[str, Any]:
     return {
-        "off": mode(report.off),
-        "on": mode(report.on),
+        "mode": s.mode,
+        "tokens_per_s": s.tokens_per_s,
+        "kept": s.kept,
+        "tokens_per_step": s.tokens_per_step,
+        "tail_s": s.tail_s,
+        "row_costs": s.row_costs,
+        "time_split_s": s.time_split_s,
+    }
+
+
+def to_json(report: ABReport, args: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "off": summary_json(report.off),
+        "on": summary_json(report.on),
         "speed_up": report.speed_up,
         "round_speed_ups": report.round_speed_ups,
         "same_tokens": report.same_tokens,
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="default: the engine's")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="default: the engine's")
+    p.add_argument(
+        "--no-prompt-lookup-resume",
+        action="store_true",
+        help="only the tail's own n-grams (the engine's --no-prompt-lookup-resume)",
+    )
     p.add_argument(
         "--speculative-history-tokens",
         type=int,
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         if (value := getattr(args, name)) is not None
     }
+    if args.no_prompt_lookup_resume:
+        overrides["prompt_lookup_resume"] = False
     try:
         config = replace(config, **overrides)
         check_pairing(config, args.pairing)

@@ -65,6 +65,9 @@ class EngineConfig:
     num_speculative_tokens: int = SPEC.num_speculative_tokens
     prompt_lookup_max: int = SPEC.prompt_lookup_max
     prompt_lookup_min: int = SPEC.prompt_lookup_min
+    # Prompt lookup also resumes a copy after a token an edit replaced (scheduler/speculation/
+    # ngram.py); False: the tail's own n-grams only.
+    prompt_lookup_resume: bool = SPEC.prompt_lookup_resume
     # Finished replies' tokens whose n-grams prompt lookup also proposes from (0: none).
     speculative_history_tokens: int = SPEC.history_tokens
     # Drafts only while a step's rows stay within this; None: the rows one pass of the CPU
@@ -207,6 +210,7 @@ class EngineConfig:
                 # Unless configured, the engine measures it from its steps (that start is a guess).
                 measure_row_cost=self.speculative_draft_row_cost is None,
                 history_tokens=self.speculative_history_tokens,
+                prompt_lookup_resume=self.prompt_lookup_resume,
             ),
         )
 

@@ -111,6 +111,20 @@ def test_max_preemptions_per_seq_flag_and_env_reach_the_scheduler(monkeypatch):
     assert argv[argv.index("--max-preemptions-per-seq") + 1] == "3"
 
 
+def test_no_prompt_lookup_resume_reaches_the_proposer_and_the_workers_up_starts():
+    from scheduler import ContinuousBatching, KVBlockManager
+
+    args = build_parser(["up"]).parse_args(["up", "--no-prompt-lookup-resume"])
+    config = engine_config_from_args(args).scheduler_config()
+    assert config.speculative.prompt_lookup_resume is False
+    assert ContinuousBatching(config, KVBlockManager(8, 4)).proposer.resume is False
+    assert "--no-prompt-lookup-resume" in engine_args_to_argv(args)
+    bare = build_parser(["worker"]).parse_args(["worker"])
+    config = engine_config_from_args(bare).scheduler_config()
+    assert ContinuousBatching(config, KVBlockManager(8, 4)).proposer.resume is True
+    assert "--no-prompt-lookup-resume" not in engine_args_to_argv(bare)
+
+
 def test_max_preemptions_per_seq_below_one_is_refused():
     args = build_parser(["worker"]).parse_args(["worker", "--max-preemptions-per-seq", "0"])
     with pytest.raises(ValueError, match="max_preemptions_per_seq must be >= 1, got 0"):
@@ -151,11 +165,12 @@ def test_every_engine_flag_defaults_to_its_engine_config_field():
     assert engine_config_from_args(args) == EngineConfig()
 
 
-# Engine fields set by a switch (--reserve, --no-prefix-caching, --enforce-eager, --compile), not
-# a value.
+# Engine fields set by a switch (--reserve, --no-prefix-caching, --no-prompt-lookup-resume,
+# --enforce-eager, --compile), not a value.
 SWITCHED_ENGINE_FIELDS = {
     "reserve_full_length",
     "enable_prefix_caching",
+    "prompt_lookup_resume",
     "enforce_eager",
     "compile",
 }

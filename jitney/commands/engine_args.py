@@ -139,6 +139,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="ngram: the shortest tail looked up",
     )
     g.add_argument(
+        "--no-prompt-lookup-resume",
+        action="store_true",
+        help="ngram: only the tail's own n-grams (by default a copy an edit interrupted, whose "
+        "last token matches nowhere, is also taken up again after the token it replaced)",
+    )
+    g.add_argument(
         "--speculative-history-tokens",
         type=int,
         default=engine["speculative_history_tokens"],
@@ -255,6 +261,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_resume=not args.no_prompt_lookup_resume,
         speculative_history_tokens=args.speculative_history_tokens,
         speculative_max_step_tokens=args.speculative_max_step_tokens,
         speculative_draft_row_cost=args.speculative_draft_row_cost,

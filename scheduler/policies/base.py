@@ -274,5 +274,7 @@ class BatchingPolicy(ABC):
 
 def _proposer_for(config: SpeculativeConfig, history: OutputHistory | None) -> Proposer | None:
     if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min, history)
+        return NgramProposer(
+            config.prompt_lookup_max, config.prompt_lookup_min, history, config.prompt_lookup_resume
+        )
     return None

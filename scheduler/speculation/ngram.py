@@ -6,6 +6,14 @@ what comes now. Longer n-grams are tried first (fewer, better matches); the late
 wins (the most recent context is likeliest to continue alike). With an `OutputHistory`, a tail
 that matched fewer than HISTORY_BELOW tokens of the sequence's own text (or none) asks the
 earlier replies instead, when they know its context (history.py).
+
+A copy that an edit interrupts (a renamed variable, a changed number or address) ends in a token
+the source does not have there, so its tail matches nowhere and the step decodes plainly. With
+`resume`, the n tokens before that one are looked up too, and the drafts take the copy up again
+after the token it replaced. Tried after the 2-token n-grams and before single tokens (bundled
+model, replies of bench/traces/quoting.json, every proposal verified: 2.26 tokens a step with
+n-grams of 2-4, 2.50 with resumed copies; 2.52 and 2.62 with single tokens last), under kinds of
+their own, whose odds price them (a resumed 4-gram's first draft was kept 39% of the time).
 """
 
 from __future__ import annotations
@@ -19,6 +27,17 @@ from scheduler.speculation.proposer import Proposal
 
 # An own match this long beats the history's: it keeps more of its drafts (mixed-64, quoting).
 HISTORY_BELOW = 3
+# A resumed copy's kind is this plus its n-gram's length: apart from prompt lookup's own (n),
+# a draft model's (0) and the history's (negative).
+RESUME_KIND = 1 << 16
+
+
+def resume_kind(n: int) -> int:
+    return RESUME_KIND + n
+
+
+def is_resume_kind(kind: int) -> bool:
+    return kind > RESUME_KIND
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,6 +45,7 @@ class NgramProposer:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     history: OutputHistory | None = None
+    resume: bool = True
 
     def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
         return self.follow(seq.token_ids(0, seq.num_tokens), max_tokens)
@@ -33,7 +53,7 @@ class NgramProposer:
     def follow(self, token_ids: SequenceABC[int], max_tokens: int) -> Proposal:
         """The drafts after `token_ids`: its own tail's match, or the history's."""
         own = self.match(token_ids, max_tokens)
-        if self.history is None or own.kind >= HISTORY_BELOW:
+        if self.history is None or (own.kind >= HISTORY_BELOW and not is_resume_kind(own.kind)):
             return own
         drafts, order = self.history.propose(token_ids, max_tokens)
         return Proposal(drafts, history_kind(order)) if drafts else own
@@ -43,15 +63,37 @@ class NgramProposer:
         return self.match(token_ids, max_tokens).tokens
 
     def match(self, token_ids: SequenceABC[int], max_tokens: int) -> Proposal:
-        """`lookup`'s drafts, of the kind of the tail's length (their odds differ by it)."""
-        n_tokens = len(token_ids)
+        """`lookup`'s drafts, of the kind of the match (their odds differ by it)."""
         if max_tokens < 1:
             return Proposal([])
-        for n in range(min(self.prompt_lookup_max, n_tokens - 1), self.prompt_lookup_min - 1, -1):
-            tail = list(token_ids[n_tokens - n :])
-            first = tail[0]
-            # Latest start i < n_tokens - n whose n tokens equal the tail.
-            for i in range(n_tokens - n - 1, -1, -1):
-                if token_ids[i] == first and list(token_ids[i : i + n]) == tail:
-                    return Proposal(list(token_ids[i + n : i + n + max_tokens]), n)
+        for n, skip in self.lookups():
+            found = self._after(token_ids, n, skip, max_tokens)
+            if found:
+                return Proposal(found, resume_kind(n) if skip else n)
         return Proposal([])
+
+    def lookups(self) -> list[tuple[int, int]]:
+        """(n, tokens skipped) in the order tried: the tail's n-grams, longest first; with
+        `resume`, then the n-grams before the tail's last token (2 tokens or more), then single
+        tokens."""
+        sizes = range(self.prompt_lookup_max, self.prompt_lookup_min - 1, -1)
+        if not self.resume:
+            return [(n, 0) for n in sizes]
+        resumed = [(n, 1) for n in sizes if n >= 2]
+        return [(n, 0) for n in sizes if n >= 2] + resumed + [(n, 0) for n in sizes if n < 2]
+
+    @staticmethod
+    def _after(token_ids: SequenceABC[int], n: int, skip: int, max_tokens: int) -> list[int]:
+        """What followed the latest earlier occurrence of the n tokens that end `skip` tokens
+        before the end, less the `skip` tokens after that occurrence (those the tail replaced)."""
+        end = len(token_ids) - skip  # the n-gram is token_ids[end - n : end]
+        if end - n < 1:
+            return []
+        tail = list(token_ids[end - n : end])
+        first = tail[0]
+        # Latest start i < end - n whose n tokens equal the tail.
+        for i in range(end - n - 1, -1, -1):
+            if token_ids[i] == first and list(token_ids[i : i + n]) == tail:
+                start = i + n + skip
+                return list(token_ids[start : start + max_tokens])
+        return []

@@ -50,6 +50,8 @@ class SpeculativeConfig:
     # Earlier replies' n-grams kept for lookups (scheduler/speculation/history.py), in tokens;
     # 0: a sequence's own text only.
     history_tokens: int = HISTORY_TOKENS
+    # Whether prompt lookup also resumes a copy after a token an edit replaced (ngram.py).
+    prompt_lookup_resume: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -94,7 +96,8 @@ class SpeculativeConfig:
 @dataclass(slots=True, frozen=True)
 class Proposal:
     """A proposer's drafts and their kind, which keys their measured odds (DraftOdds): an n-gram
-    lookup's tail length, MODEL_KIND (0) for a model's."""
+    lookup's tail length (a resumed copy's and the history's apart: ngram.py, history.py),
+    MODEL_KIND (0) for a model's."""
 
     tokens: list[int]
     kind: int = 0

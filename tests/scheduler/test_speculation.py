@@ -17,7 +17,9 @@ from scheduler import (
     SpeculativeConfig,
 )
 from scheduler.speculation import DraftOdds, NgramProposer, RowCost
+from scheduler.speculation.ngram import is_resume_kind, resume_kind
 from scheduler.speculation.odds import PROBE_EVERY
+from scheduler.speculation.proposer import Proposal
 from scheduler.speculation.row_cost import MIN_STEPS
 
 
@@ -37,6 +39,32 @@ def test_ngram_tries_the_longest_tail_first_and_gives_nothing_without_a_match():
     assert NgramProposer(4, 2).lookup([1, 1], 3) == []  # a tail needs one earlier copy
     assert NgramProposer(4, 1).lookup([1, 2, 1], 3) == [2, 1]
     assert NgramProposer(3, 2).lookup(tokens, 0) == []
+
+
+def test_a_copy_an_edit_interrupted_resumes_after_the_replaced_token():
+    # "1 2 3 4 5 6 7" is being copied, but with 9 in place of 4: the tail "3 9" matches nowhere.
+    tokens = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 9]
+    proposal = NgramProposer(4, 2).match(tokens, 3)
+    # "1 2 3" before the 9 last appeared at 0: the copy goes on after the 4 it replaced.
+    assert (proposal.tokens, proposal.kind) == ([5, 6, 7], resume_kind(3))
+    assert is_resume_kind(proposal.kind) and not is_resume_kind(3)
+    # Without resuming, only the tail's own n-grams: none here.
+    assert NgramProposer(4, 2, resume=False).match(tokens, 3).tokens == []
+    assert NgramProposer(4, 2).lookups()[:3] == [(4, 0), (3, 0), (2, 0)]
+
+
+def test_a_resumed_copy_comes_after_the_own_n_grams_and_before_single_tokens():
+    # The tail's own "3 9" matched at 0 (then 4): it beats "1 2 3" resumed from 3 (then 6).
+    own = [3, 9, 4, 1, 2, 3, 5, 6, 1, 2, 3, 9]
+    proposal = NgramProposer(4, 1).match(own, 1)
+    assert (proposal.tokens, proposal.kind) == ([4], 2)
+    assert NgramProposer(4, 1).match([*own[:-1], 7], 1) == Proposal([6], resume_kind(3))
+    # Only the single token 9 of the tail repeats (at 4, then 5): the resumed "1 2 3" wins.
+    tokens = [1, 2, 3, 4, 9, 5, 0, 1, 2, 3, 9]
+    assert NgramProposer(4, 1).match(tokens, 2).tokens == [9, 5]  # after 4, which 9 replaced
+    assert NgramProposer(4, 1, resume=False).match(tokens, 2).tokens == [5, 0]
+    assert NgramProposer(4, 1).lookups() == [(4, 0), (3, 0), (2, 0), (4, 1), (3, 1), (2, 1), (1, 0)]
+    assert NgramProposer(2, 2, resume=False).lookups() == [(2, 0)]
 
 
 def test_a_bad_speculative_config_is_refused():

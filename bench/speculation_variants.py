@@ -96,7 +96,7 @@ def _typed(value: str, hint: Any, where: str) -> Any:
     try:
         return kind(value) if kind in (int, float, str) else value
     except ValueError:
-        raise ValueError(f"{where}: not a {kind.__name__}: {value!r}") from None
+        raise ValueError(f"{where}: expected {kind.__name__}, got {value!r}") from None
 
 
 def check_variants(config: EngineConfig, variants: Sequence[Variant], rounds: int) -> None:

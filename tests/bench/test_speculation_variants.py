@@ -32,7 +32,7 @@ def test_a_variant_s_settings_take_their_fields_types():
         ("off:", "NAME:FIELD=VALUE"),
         ("x:no_such_field=1", "not FIELD=VALUE of an engine field"),
         ("x:prompt_lookup_min", "not FIELD=VALUE of an engine field"),
-        ("x:prompt_lookup_min=two", "not a int"),
+        ("x:prompt_lookup_min=two", "expected int, got .two."),
         ("x:prompt_lookup_resume=maybe", "true or false"),
         ("x:model=tiny-random", "loaded once"),
     ],

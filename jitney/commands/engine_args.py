@@ -105,6 +105,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "else ngram under continuous batching",
     )
     g.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='vLLM\'s speculative decoding object, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\': its keys set the flags of '
+        "the same names (method ngram or draft_model: --speculative; model: "
+        "--speculative-model); a key Jitney cannot honour is refused, not dropped",
+    )
+    g.add_argument(
         "--speculative-model",
         default=engine["speculative_model"],
         metavar="MODEL",
@@ -279,8 +287,26 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         noop_step_ms=args.noop_step_ms,
         pooling=args.pooling,
     )
+    if args.speculative_config is not None:
+        fields.update(_speculative_config_fields(args))
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def _speculative_config_fields(args: argparse.Namespace) -> dict[str, object]:
+    """--speculative-config's fields; a field its own flag also sets is refused (which wins
+    would be a guess)."""
+    from engine.config import EngineConfig
+    from engine.speculative_config_json import speculative_config_fields
+
+    fields = speculative_config_fields(args.speculative_config)
+    defaults = field_defaults(EngineConfig)
+    for field in fields:
+        if getattr(args, field) != defaults[field]:
+            raise ValueError(
+                f"--speculative-config sets {field}; leave out --{field.replace('_', '-')}"
+            )
+    return fields
 
 
 def engine_args_to_argv(args: argparse.Namespace) -> list[str]:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.speculation.ngram_index import NgramIndex
 
 
 class SequenceStatus(enum.IntEnum):
@@ -103,6 +107,8 @@ class Sequence:
     draft_kind: int = 0
     # Its own verifications' counts by (kind, position): its odds lean on them as they grow.
     draft_counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # Prompt lookup's index of its text (speculation/ngram_index.py), built at its first proposal.
+    lookup_index: NgramIndex | None = None
     # Its speculation so far (on this worker): draft tokens verified, those kept, verifications.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -18,11 +18,13 @@ their own, whose odds price them (a resumed 4-gram's first draft was kept 39% of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 from scheduler.sequence import Sequence
 from scheduler.speculation.history import OutputHistory, history_kind
+from scheduler.speculation.ngram_index import NONE, NgramIndex
 from scheduler.speculation.proposer import Proposal
 
 # An own match this long beats the history's: it keeps more of its drafts (mixed-64, quoting).
@@ -48,15 +50,55 @@ class NgramProposer:
     resume: bool = True
 
     def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
-        return self.follow(seq.token_ids(0, seq.num_tokens), max_tokens)
+        """`follow`'s drafts for a sequence, its text looked up in its own NgramIndex (kept on
+        the sequence, extended by the tokens each step added)."""
+        own = self._indexed_match(seq, max_tokens)
+        num_tokens = seq.num_tokens
+        return self._or_history(
+            own, lambda n: seq.token_ids(max(0, num_tokens - n), num_tokens), max_tokens
+        )
 
     def follow(self, token_ids: SequenceABC[int], max_tokens: int) -> Proposal:
         """The drafts after `token_ids`: its own tail's match, or the history's."""
         own = self.match(token_ids, max_tokens)
+        return self._or_history(own, lambda n: token_ids[-n:], max_tokens)
+
+    def _or_history(
+        self, own: Proposal, tail: Callable[[int], SequenceABC[int]], max_tokens: int
+    ) -> Proposal:
+        """`own`, or the history's drafts after the text's last `history.order` tokens (`tail`)
+        when own matched fewer than HISTORY_BELOW tokens, or only as a resumed copy."""
         if self.history is None or (own.kind >= HISTORY_BELOW and not is_resume_kind(own.kind)):
             return own
-        drafts, order = self.history.propose(token_ids, max_tokens)
+        drafts, order = self.history.propose(tail(self.history.order), max_tokens)
         return Proposal(drafts, history_kind(order)) if drafts else own
+
+    def _indexed_match(self, seq: Sequence, max_tokens: int) -> Proposal:
+        """`match` over the sequence's text, each lookup one probe of its index."""
+        if max_tokens < 1:
+            return Proposal([])
+        lookups = self.lookups()
+        index = seq.lookup_index
+        sizes = tuple(sorted({n for n, _ in lookups}))
+        num_tokens = seq.num_tokens
+        if index is None or index.sizes != sizes or index.indexed_to >= num_tokens:
+            index = seq.lookup_index = NgramIndex(sizes)  # (a text never shrinks: a new one)
+        first = index.first_needed()
+        index.extend(seq.token_ids(first, num_tokens), first, num_tokens)
+        # The text's last tokens: every tail looked up is in them.
+        last = max(0, num_tokens - max(n + skip for n, skip in lookups))
+        recent = seq.token_ids(last, num_tokens)
+        for n, skip in lookups:
+            end = num_tokens - skip  # the n-gram is the text's [end - n, end)
+            if end - n < 1:
+                continue
+            start = index.start_before(tuple(recent[end - n - last : end - last]), end - n)
+            if start != NONE:
+                after = start + n + skip
+                found = seq.token_ids(after, min(after + max_tokens, num_tokens))
+                if found:
+                    return Proposal(found, resume_kind(n) if skip else n)
+        return Proposal([])
 
     def lookup(self, token_ids: SequenceABC[int], max_tokens: int) -> list[int]:
         """What followed the latest earlier occurrence of the tail of `token_ids`."""

@@ -81,8 +81,10 @@ class NgramProposer:
         index = seq.lookup_index
         sizes = tuple(sorted({n for n, _ in lookups}))
         num_tokens = seq.num_tokens
+        # A new index: the first proposal, other n-gram sizes, or (never seen: a sequence's
+        # text only grows) a text shorter than the one indexed.
         if index is None or index.sizes != sizes or index.indexed_to >= num_tokens:
-            index = seq.lookup_index = NgramIndex(sizes)  # (a text never shrinks: a new one)
+            index = seq.lookup_index = NgramIndex(sizes)
         first = index.first_needed()
         index.extend(seq.token_ids(first, num_tokens), first, num_tokens)
         # The text's last tokens: every tail looked up is in them.

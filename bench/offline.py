@@ -161,6 +161,8 @@ class TraceRun:
                 # Of those, proposed from earlier replies (--speculative-history-tokens).
                 "spec_history_draft_tokens": stats.num_history_draft_tokens_total,
                 "spec_history_accepted_tokens": stats.num_history_accepted_tokens_total,
+                "spec_prediction_draft_tokens": stats.num_prediction_draft_tokens_total,
+                "spec_prediction_accepted_tokens": stats.num_prediction_accepted_tokens_total,
                 "spec_acceptance": (
                     stats.num_accepted_tokens_total / stats.num_draft_tokens_total
                     if stats.num_draft_tokens_total

@@ -23,6 +23,7 @@ from engine.sampler import TokenLogprobs, choice_seed, with_seed
 from generation.detokenizer import IncrementalDetokenizer
 from generation.sampling_params import SamplingParams
 from scheduler import BatchingPolicy, Sequence, SequenceStatus
+from scheduler.speculation.prediction import Prediction
 
 if TYPE_CHECKING:  # llguidance is imported only when a request has a grammar
     from llguidance import LLMatcher
@@ -105,6 +106,8 @@ class ChoiceFactory:
             for token in resumed:
                 detok.add(token)
         seq.speculates = True  # every kind of row verifies exactly (engine/speculative.py)
+        if params.prediction_token_ids:
+            seq.prediction = Prediction(params.prediction_token_ids)
         req = ChoiceState(seq, with_seed(params), detok, request_id, index)
         if params.grammar is not None:  # GrammarError before anything is queued
             req.matcher = self.grammars.matcher(params.grammar, resumed)

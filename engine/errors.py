@@ -28,6 +28,10 @@ class LogitBiasError(RequestRejected):
     """logit_bias names a token id outside the model's vocabulary."""
 
 
+class PredictionError(RequestRejected):
+    """A prediction holding token ids outside the model's vocabulary."""
+
+
 class DuplicateRequestError(RequestRejected):
     """A request id the engine already holds."""
 

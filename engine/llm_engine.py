@@ -26,6 +26,7 @@ from engine.engine_view import EngineView
 from engine.errors import (
     DuplicateRequestError,
     LogitBiasError,
+    PredictionError,
     RequestRejected,
     RequestTooLongError,
 )
@@ -215,6 +216,10 @@ class Engine:
         if any(token >= self.vocab_size for token, _ in params.logit_bias):
             raise LogitBiasError(
                 f"logit_bias names token ids outside the vocabulary (size {self.vocab_size})"
+            )
+        if any(token >= self.vocab_size for token in params.prediction_token_ids):
+            raise PredictionError(
+                f"prediction holds token ids outside the vocabulary (size {self.vocab_size})"
             )
         if request_id in self.choices.by_request:
             raise DuplicateRequestError(f"duplicate request id {request_id!r}")

@@ -50,6 +50,9 @@ class SamplingParams:
     # False: the engine returns token ids only and leaves text and stop strings to the caller
     # (the gateway detokenizes what it serves, off the worker's step; vLLM has the same field).
     detokenize: bool = True
+    # The tokens the caller expects the output to be, mostly (OpenAI's Predicted Outputs): with
+    # speculation on, drafted from first; the tokens are the model's own picks either way.
+    prediction_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name, annotation in _FIELD_TYPES.items():
@@ -73,6 +76,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        if any(t < 0 for t in self.prediction_token_ids):
+            raise ValueError("prediction_token_ids must be >= 0")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -84,4 +84,7 @@ class SchedulerStats:
     # Of those, the drafts proposed from earlier replies (scheduler/speculation/history.py).
     num_history_draft_tokens_total: int = 0
     num_history_accepted_tokens_total: int = 0
+    # And those from the callers' predictions of their replies (speculation/prediction.py).
+    num_prediction_draft_tokens_total: int = 0
+    num_prediction_accepted_tokens_total: int = 0
     limit: StepLimit = StepLimit.NONE

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.speculation.ngram_index import NgramIndex
+    from scheduler.speculation.prediction import Prediction
 
 
 class SequenceStatus(enum.IntEnum):
@@ -109,6 +110,8 @@ class Sequence:
     draft_counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     # Prompt lookup's index of its text (speculation/ngram_index.py), built at its first proposal.
     lookup_index: NgramIndex | None = None
+    # The reply its caller expects (OpenAI's `prediction`): drafted from first (prediction.py).
+    prediction: Prediction | None = None
     # Its speculation so far (on this worker): draft tokens verified, those kept, verifications.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -76,6 +76,7 @@ def test_sampling_params_travel_as_a_dict_and_come_back_equal():
         n=3,
         prompt_logprobs=2,
         grammar='{"grammars": []}',
+        prediction_token_ids=(7, 8, 9),
     )
     wire = json.loads(json.dumps(params.to_dict()))
     assert wire["stop"] == ["a", "b"] and isinstance(wire["temperature"], float)
@@ -103,6 +104,8 @@ def test_sampling_params_travel_as_a_dict_and_come_back_equal():
         ({"stop": [1]}, "stop must be a list of strings"),
         ({"stop_token_ids": [1, -2]}, "stop_token_ids must be >= 0"),
         ({"stop_token_ids": [[1]]}, "stop_token_ids must be a list of integers"),
+        ({"prediction_token_ids": [3, -1]}, "prediction_token_ids must be >= 0"),
+        ({"prediction_token_ids": "abc"}, "prediction_token_ids must be a list of integers"),
         ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
         ({"n": 0}, "n must be in [1, 16]"),
         ({"n": 17}, "n must be in [1, 16]"),

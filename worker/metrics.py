@@ -199,6 +199,15 @@ class WorkerMetrics:
             "jitney_spec_decode_history_accepted_tokens",
             "Draft tokens from earlier replies the model accepted",
         )
+        self.spec_prediction_draft_tokens = counter(
+            "jitney_spec_decode_prediction_draft_tokens",
+            "Draft tokens verified that came from the requests' predictions of their replies "
+            "(OpenAI's `prediction`)",
+        )
+        self.spec_prediction_accepted_tokens = counter(
+            "jitney_spec_decode_prediction_accepted_tokens",
+            "Draft tokens from the requests' predictions the model accepted",
+        )
         self.spec_row_cost = gauge(
             "jitney_spec_decode_draft_row_cost",
             "What a draft row costs as a share of a one-row step, as the policy prices it now "
@@ -232,7 +241,7 @@ class WorkerMetrics:
         )
         self.placement = PlacementMetrics(r, self._labels)
         # The scheduler's counters are running totals; the exporter adds their increments.
-        self._last_totals = (0,) * 9
+        self._last_totals: tuple[int, ...] = ()  # none yet: all zero
         # /ready answers this (the service sets it: joined and not stopping).
         self.ready: Callable[[], bool] = lambda: True
 
@@ -283,6 +292,8 @@ class WorkerMetrics:
             stats.num_accepted_tokens_total,
             stats.num_history_draft_tokens_total,
             stats.num_history_accepted_tokens_total,
+            stats.num_prediction_draft_tokens_total,
+            stats.num_prediction_accepted_tokens_total,
         )
         counters = (
             self.preemptions,
@@ -294,13 +305,11 @@ class WorkerMetrics:
             self.spec_accepted_tokens,
             self.spec_history_draft_tokens,
             self.spec_history_accepted_tokens,
+            self.spec_prediction_draft_tokens,
+            self.spec_prediction_accepted_tokens,
         )
-        for child, new, old in zip(
-            counters,
-            totals,
-            self._last_totals,
-            strict=True,
-        ):
+        last = self._last_totals or (0,) * len(totals)
+        for child, new, old in zip(counters, totals, last, strict=True):
             if new > old:
                 child.inc(new - old)
         self._last_totals = totals

@@ -70,6 +70,23 @@ Content = Annotated[
     AfterValidator(_encodable_text),
     BeforeValidator(_as_parts),
 ]
+PREDICTION_SHAPE = 'must be {"type": "content", "content": a string or a list of text parts}'
+
+
+class PredictedOutput(BaseModel):
+    """OpenAI's `prediction` (Predicted Outputs): text the reply is expected to repeat, mostly;
+    with speculation on, the worker drafts from it first (scheduler/speculation/prediction.py)."""
+
+    content: Content = absent_is_null()
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content)
+
+
+Prediction = Annotated[
+    PredictedOutput, of_type("content", PREDICTION_SHAPE), expect(PREDICTION_SHAPE)
+]
 ToolCalls = Annotated[
     list[Annotated[AssistantToolCall, expect(CALL_SHAPE, nested=True)]],
     expect("must be a list of tool calls"),

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.openai.chat_messages import Prediction
 from gateway.openai.field_types import (
     INT64,
     MAX_TOKEN_ID,
@@ -140,6 +141,9 @@ class GenerationFields(BaseModel):
     # Kept as sorted (token id, bias) pairs; the ids are checked against the vocabulary later.
     logit_bias: LogitBias = ()
     min_tokens: Annotated[Count, none_is(0)] = 0  # against max_tokens once it is resolved
+    # OpenAI's chat `prediction` (Predicted Outputs), taken by completions too: the text the
+    # reply is expected to repeat; tokenized by the request path.
+    prediction: Prediction | None = None
     # vLLM's `priority`: lower is served first; the Batch API's lines run below every range.
     priority: Annotated[Integer, between(PRIORITIES[0], PRIORITIES[-1] - 1)] | None = None
     # The defaultable fields the request sent with a value (null is "not given", as clients

@@ -111,6 +111,7 @@ async def prepare_parsed(gw: Gateway, kind: Kind, parsed: GenerationRequest) -> 
             f"'logit_bias' names token ids outside the vocabulary (size {model.vocab_size}).",
             param="logit_bias",
         )
+    prediction = await _prediction_ids(gw, model, parsed)
     grammar = parsed.grammar
     if grammar is not None:  # compiled now: a bad one is a 400 before anything queues
         if kind == "chat":  # for the content only (after any reasoning: a reasoning parser's)
@@ -118,7 +119,8 @@ async def prepare_parsed(gw: Gateway, kind: Kind, parsed: GenerationRequest) -> 
         error = await gw.registry.run(model.grammar_error, grammar.text)
         if error is not None:
             raise compile_error(grammar, error)
-    return Job(kind, parsed, model, prompts, _wire_sampling(parsed, max_tokens, grammar))
+    sampling = _wire_sampling(parsed, max_tokens, grammar, prediction)
+    return Job(kind, parsed, model, prompts, sampling)
 
 
 async def submit(
@@ -230,7 +232,7 @@ def _check_num_prompts(gw: Gateway, parsed: GenerationRequest) -> None:
 
 
 def _wire_sampling(
-    parsed: GenerationRequest, max_tokens: int, grammar: Grammar | None
+    parsed: GenerationRequest, max_tokens: int, grammar: Grammar | None, prediction: list[int]
 ) -> SamplingParams:
     """What the worker gets. Echo with max_tokens 0: one token (the wire's minimum), not shown;
     with logprobs, the prompt's own log-probs too."""
@@ -243,7 +245,24 @@ def _wire_sampling(
         detokenize=False,
         grammar=grammar.text if grammar else None,
         prompt_logprobs=logprobs if echo and logprobs is not None else None,
+        prediction_token_ids=tuple(prediction),
     )
+
+
+async def _prediction_ids(gw: Gateway, model: ServedModel, parsed: GenerationRequest) -> list[int]:
+    """The request's `prediction` as token ids (no special tokens: it is reply text), refused
+    (400) past the context window, which no reply outgrows; [] without one."""
+    if parsed.prediction is None:
+        return []
+    text = parsed.prediction.text
+    ids = await gw.registry.run(model.encode_text, text)
+    limit = model.card.max_model_len
+    if len(ids) > limit:
+        raise bad_request(
+            f"'prediction' holds {len(ids)} tokens; at most the context window, {limit}.",
+            param="prediction",
+        )
+    return ids
 
 
 def _choices(job: Job, prompt: int, keep: bool) -> list[Choice]:

@@ -73,6 +73,10 @@ class ServedModel:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as it would appear inside a reply: no special tokens added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     @property
     def template_has_tools(self) -> bool:
         """Whether the chat template renders a `tools` argument itself."""

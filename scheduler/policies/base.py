@@ -31,6 +31,7 @@ from scheduler.speculation import (
     SpeculativeConfig,
 )
 from scheduler.speculation.history import is_history_kind
+from scheduler.speculation.prediction import is_prediction_kind
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -201,6 +202,9 @@ class BatchingPolicy(ABC):
         if is_history_kind(seq.draft_kind):
             stats.num_history_draft_tokens_total += k
             stats.num_history_accepted_tokens_total += num_accepted
+        elif is_prediction_kind(seq.draft_kind):
+            stats.num_prediction_draft_tokens_total += k
+            stats.num_prediction_accepted_tokens_total += num_accepted
         for n, token in enumerate(tokens, 1):
             seq.num_step_tokens = n
             if (finish := seq.append_token(token)) is not None:

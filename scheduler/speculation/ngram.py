@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from scheduler.sequence import Sequence
 from scheduler.speculation.history import OutputHistory, history_kind
 from scheduler.speculation.ngram_index import NONE, NgramIndex
+from scheduler.speculation.prediction import PREDICTION_KIND
 from scheduler.speculation.proposer import Proposal
 
 # An own match this long beats the history's: it keeps more of its drafts (mixed-64, quoting).
@@ -39,7 +40,7 @@ def resume_kind(n: int) -> int:
 
 
 def is_resume_kind(kind: int) -> bool:
-    return kind > RESUME_KIND
+    return RESUME_KIND < kind < PREDICTION_KIND
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,7 +52,12 @@ class NgramProposer:
 
     def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
         """`follow`'s drafts for a sequence, its text looked up in its own NgramIndex (kept on
-        the sequence, extended by the tokens each step added)."""
+        the sequence, extended by the tokens each step added); the caller's prediction of the
+        reply, where it has one and it gives drafts, first."""
+        if seq.prediction is not None and max_tokens >= 1:
+            predicted = seq.prediction.propose(seq.output_token_ids, max_tokens, self.lookups())
+            if predicted.tokens:
+                return predicted
         own = self._indexed_match(seq, max_tokens)
         num_tokens = seq.num_tokens
         return self._or_history(

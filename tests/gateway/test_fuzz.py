@@ -146,6 +146,25 @@ sampling: dict[str, st.SearchStrategy[Any]] = {
     "logit_bias": st.dictionaries(st.integers(-1, 400).map(str) | marked, number, max_size=4)
     | random_json,
     "min_tokens": st.integers(-2, 80) | marked,
+    "prediction": st.one_of(
+        random_json,
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["content", SECRET])},
+            optional={
+                "content": st.one_of(
+                    unicode,
+                    st.text(min_size=100, max_size=400).map(lambda s: SECRET + s),
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {"type": st.sampled_from(["text", SECRET]), "text": unicode}
+                        ),
+                        max_size=3,
+                    ),
+                    random_json,
+                )
+            },
+        ),
+    ),
     # /tokenize and /detokenize
     "add_special_tokens": st.booleans() | marked,
     "return_token_strs": st.booleans() | st.integers(),
@@ -174,6 +193,7 @@ good = {
     "stop": st.lists(marked, max_size=3),
     "stream": st.booleans(),
     "seed": st.integers(0, 2**32),
+    "prediction": st.fixed_dictionaries({"type": st.just("content"), "content": unicode}),
 }
 good_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system"]), "content": unicode}

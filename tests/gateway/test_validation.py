@@ -152,6 +152,20 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETIONS, {"prompt": SECRET, "n": 2, "best_of": 3}, "best_of"),
     (COMPLETIONS, {"prompt": SECRET, "n": 0}, "n"),
     (COMPLETIONS, {"prompt": SECRET, "suffix": SECRET}, "suffix"),
+    # Predicted outputs: OpenAI's shape, text only, within the context window.
+    (CHAT, {"messages": USER, "prediction": SECRET}, "prediction"),
+    (CHAT, {"messages": USER, "prediction": {"type": SECRET, "content": "x"}}, "prediction"),
+    (CHAT, {"messages": USER, "prediction": {"type": "content"}}, "prediction.content"),
+    (
+        CHAT,
+        {"messages": USER, "prediction": {"type": "content", "content": [{"type": SECRET}]}},
+        "prediction.content[0]",
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": SECRET, "prediction": {"type": "content", "content": SECRET * 5000}},
+        "prediction",
+    ),
     (COMPLETIONS, {"prompt": SECRET, "max_tokens": 0, "echo": False}, "max_tokens"),
 ]
 

@@ -243,7 +243,7 @@ class WorkerMetrics:
         # The scheduler's counters are running totals; the exporter adds their increments.
         self._last_totals: tuple[int, ...] = ()  # none yet: all zero
         # /ready answers this (the service sets it: joined and not stopping).
-        self.ready: Callable[[], bool] = lambda: True
+        self.ready: Callable[[], bool] = lambda: False  # until the service says it joined
 
     def handoff(self, event: str, n: int = 1) -> None:
         """event: one of HANDOFF_EVENTS."""

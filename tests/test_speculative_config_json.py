@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.speculative_config_json import speculative_config_fields
 from jitney.cli import build_parser
 from jitney.commands.engine_args import engine_args_to_argv, engine_config_from_args
+from jitney.flag_defaults import field_defaults
 from tests.test_generate_command import TINY, jitney_generate
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 6}
@@ -101,6 +102,16 @@ def test_a_field_set_both_ways_is_refused():
         config_of("--speculative-config", json.dumps(NGRAM), "--num-speculative-tokens", "3")
     with pytest.raises(ValueError, match=r"sets speculative; leave out --speculative$"):
         config_of("--speculative-config", json.dumps(NGRAM), "--speculative", "none")
+    # A flag that repeats its default was still given: which one wins would be a guess.
+    with pytest.raises(ValueError, match=r"sets speculative; leave out --speculative$"):
+        config_of("--speculative", "auto", "--speculative-config", json.dumps(NGRAM))
+    with pytest.raises(ValueError, match="sets prompt_lookup_min; leave out --prompt-lookup-min"):
+        config_of(
+            "--speculative-config",
+            '{"method": "ngram", "prompt_lookup_min": 2}',
+            "--prompt-lookup-min",
+            str(field_defaults(EngineConfig)["prompt_lookup_min"]),
+        )
 
 
 def test_values_out_of_range_are_the_engine_config_s_errors():

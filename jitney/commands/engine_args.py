@@ -12,6 +12,20 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
+GIVEN_FLAGS = "given_engine_flags"
+
+
+class _StoreNotingGiven(argparse.Action):
+    """Stores the value and notes that the flag was on the command line, so that
+    --speculative-config refuses a field its own flag also sets even when the flag repeats its
+    default (`--speculative auto` beside an object that sets `method`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        setattr(namespace, self.dest, values)
+        given = getattr(namespace, GIVEN_FLAGS, None) or set()
+        setattr(namespace, GIVEN_FLAGS, given | {self.dest})
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     # Every default is EngineConfig's own field (its batching fields are SchedulerConfig's), so a
     # bare Engine and `jitney worker` without flags cannot disagree. Imported here, not at the
@@ -97,6 +111,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--speculative",
+        action=_StoreNotingGiven,
         choices=SPECULATIVE_CHOICES,
         default=engine["speculative"],
         help="speculative decoding: ngram verifies prompt-lookup drafts beside the batch's "
@@ -114,6 +129,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--speculative-model",
+        action=_StoreNotingGiven,
         default=engine["speculative_model"],
         metavar="MODEL",
         help="speculative decoding with a draft model (any --model spec) that shares the "
@@ -127,6 +143,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--num-speculative-tokens",
+        action=_StoreNotingGiven,
         type=int,
         default=engine["num_speculative_tokens"],
         metavar="K",
@@ -134,6 +151,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prompt-lookup-max",
+        action=_StoreNotingGiven,
         type=int,
         default=engine["prompt_lookup_max"],
         metavar="N",
@@ -141,6 +159,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prompt-lookup-min",
+        action=_StoreNotingGiven,
         type=int,
         default=engine["prompt_lookup_min"],
         metavar="N",
@@ -301,8 +320,9 @@ def _speculative_config_fields(args: argparse.Namespace) -> dict[str, object]:
 
     fields = speculative_config_fields(args.speculative_config)
     defaults = field_defaults(EngineConfig)
+    given = getattr(args, GIVEN_FLAGS, None) or set()
     for field in fields:
-        if getattr(args, field) != defaults[field]:
+        if field in given or getattr(args, field) != defaults[field]:
             raise ValueError(
                 f"--speculative-config sets {field}; leave out --{field.replace('_', '-')}"
             )

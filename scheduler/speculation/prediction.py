@@ -40,6 +40,9 @@ class Prediction:
     # Where the reply last stood in the prediction: (its output tokens then, the position after
     # the prediction's token aligned with its last one).
     synced: tuple[int, int] = (0, 0)
+    # False once the reply's tokens since `synced` differ from the prediction's there: output
+    # only grows, so they differ for good, and the growing comparison is not made again.
+    in_step: bool = True
     # n-gram -> its starts in the prediction, ascending; built when the reply first leaves it.
     starts: dict[tuple[int, ...], list[int]] | None = field(default=None, repr=False)
 
@@ -52,7 +55,7 @@ class Prediction:
         if found is None:
             return Proposal([])
         at, kind = found
-        self.synced = (len(output), at)
+        self.synced, self.in_step = (len(output), at), True
         return Proposal(list(self.tokens[at : at + max_tokens]), kind)
 
     def _position(
@@ -60,9 +63,11 @@ class Prediction:
     ) -> tuple[int, int] | None:
         done, at = self.synced
         num_output = len(output)
-        new = list(output[done:num_output])
-        if list(self.tokens[at : at + len(new)]) == new:
-            return at + len(new), prediction_kind()
+        if self.in_step:
+            new = list(output[done:num_output])
+            if list(self.tokens[at : at + len(new)]) == new:
+                return at + len(new), prediction_kind()
+            self.in_step = False
         for n, skip in lookups:
             end = num_output - skip  # the reply's own tokens only: [end - n, end)
             if end - n < 0:

@@ -90,3 +90,33 @@ def test_prediction_kinds_are_neither_lookups_nor_resumed_copies():
     for kind in (prediction_kind(), prediction_kind(3), prediction_kind(2, skip=1)):
         assert is_prediction_kind(kind) and not is_resume_kind(kind)
     assert len({prediction_kind(), prediction_kind(2), prediction_kind(2, skip=1)}) == 3
+
+
+class CountingOutput(list):
+    """A reply that counts the tokens read through slices of it."""
+
+    read = 0
+
+    def __getitem__(self, index):
+        items = super().__getitem__(index)
+        if isinstance(index, slice):
+            CountingOutput.read += len(items)
+        return items
+
+
+def test_a_reply_that_left_the_prediction_for_good_is_not_compared_again_and_again():
+    # Once the tokens since the last sync point differ from the prediction's, they always will:
+    # a step must not compare a slice that grows with the reply.
+    p = Prediction(PREDICTED)
+    output = CountingOutput([100, 101, 102])
+    assert propose(p, output).kind == prediction_kind()
+    reads = []
+    for token in range(1000, 1200):  # a reply of its own from here, nowhere in the prediction
+        output.append(token)
+        CountingOutput.read = 0
+        proposal = propose(p, output)
+        reads.append(CountingOutput.read)
+        if token > 1000:  # (1000 is taken for an edit of 103: resumed past it)
+            assert proposal.tokens == []
+    tails = sum(n for n, _ in LOOKUPS)  # each tail looked up, not the 200 tokens since
+    assert max(reads[10:]) <= tails, reads

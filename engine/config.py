@@ -81,6 +81,9 @@ class EngineConfig:
     # (draft_row_cost in engine/startup.py), else SPEC.draft_row_cost; a number fixes it (0:
     # every draft the other limits allow).
     speculative_draft_row_cost: float | None = None
+    # No drafts while more sequences than this run (vLLM's disable_by_batch_size); None: only
+    # the row cap above stops them.
+    speculative_disable_by_batch_size: int | None = SPEC.disable_by_batch_size
     # A draft model proposes instead (vLLM's --speculative-model): a small model with the
     # target's tokenizer, greedy on its own KV pool (engine/draft_model.py); implies "draft".
     speculative_model: str | None = None
@@ -211,6 +214,7 @@ class EngineConfig:
                 measure_row_cost=self.speculative_draft_row_cost is None,
                 history_tokens=self.speculative_history_tokens,
                 prompt_lookup_resume=self.prompt_lookup_resume,
+                disable_by_batch_size=self.speculative_disable_by_batch_size,
             ),
         )
 

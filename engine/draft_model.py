@@ -134,8 +134,8 @@ class DraftModel:
         """Propose for every running sequence that may verify in the next step, as many
         drafts as it may verify there at most (SpeculativeConfig.num_drafts)."""
         self._proposed = {}
-        if len(running) >= self.spec.max_step_tokens:
-            return  # a batch this large never speculates (no rows to spare)
+        if not self.spec.batch_speculates(len(running)):
+            return
         wanted = [(seq, self._num_drafts(seq, len(running))) for seq in running]
         wanted = [(seq, k) for seq, k in wanted if k > 0]
         if not wanted:

@@ -17,6 +17,7 @@ INT_KEYS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "prompt_lookup_max": "prompt_lookup_max",
     "prompt_lookup_min": "prompt_lookup_min",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
 }
 # vLLM's methods Jitney runs, and the `speculative` mode each is.
 METHODS = {"ngram": "ngram", "draft_model": "draft"}

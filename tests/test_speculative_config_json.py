@@ -50,6 +50,10 @@ def config_of(*argv: str) -> EngineConfig:
             {"model": "tiny-random", "draft_tensor_parallel_size": 1},
             {"speculative": "draft", "speculative_model": "tiny-random"},
         ),
+        (
+            {"method": "ngram", "disable_by_batch_size": 4},
+            {"speculative": "ngram", "speculative_disable_by_batch_size": 4},
+        ),
     ],
 )
 def test_each_key_sets_its_engine_field(config: dict, fields: dict):
@@ -77,8 +81,9 @@ def test_each_key_sets_its_engine_field(config: dict, fields: dict):
         ),
         (
             '{"method": "ngram", "disable_by_batch_size": 4, "acceptance": 1}',
-            "unsupported key(s) acceptance, disable_by_batch_size",
+            "unsupported key(s) acceptance",
         ),
+        ('{"method": "ngram", "disable_by_batch_size": "4"}', "must be an integer, got '4'"),
     ],
 )
 def test_what_jitney_cannot_honour_is_refused_by_name(text: str, error: str):
@@ -95,6 +100,11 @@ def test_the_flag_sets_the_engine_config():
     # Flags it does not name still apply beside it.
     config = config_of("--speculative-config", json.dumps(NGRAM), "--prompt-lookup-min", "3")
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 6)
+    cutoff = config_of("--speculative-config", '{"method": "ngram", "disable_by_batch_size": 4}')
+    assert cutoff.scheduler_config().speculative.disable_by_batch_size == 4
+    assert (
+        config_of("--speculative-disable-by-batch-size", "2").speculative_disable_by_batch_size == 2
+    )
 
 
 def test_a_field_set_both_ways_is_refused():
@@ -117,6 +127,8 @@ def test_a_field_set_both_ways_is_refused():
 def test_values_out_of_range_are_the_engine_config_s_errors():
     with pytest.raises(ValueError, match="prompt_lookup"):
         config_of("--speculative-config", '{"method": "ngram", "prompt_lookup_max": 0}')
+    with pytest.raises(ValueError, match="disable_by_batch_size must be >= 1"):
+        config_of("--speculative-config", '{"method": "ngram", "disable_by_batch_size": 0}')
 
 
 def test_up_passes_it_to_its_workers_and_the_environment_sets_it(monkeypatch):

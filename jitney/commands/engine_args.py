@@ -190,6 +190,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "quantized; else 8; a GPU gains to far more)",
     )
     g.add_argument(
+        "--speculative-disable-by-batch-size",
+        action=_StoreNotingGiven,
+        type=int,
+        default=engine["speculative_disable_by_batch_size"],
+        metavar="N",
+        help="no drafts while more than N sequences are running (vLLM's disable_by_batch_size; "
+        "by default only the row cap, --speculative-max-step-tokens, stops them)",
+    )
+    g.add_argument(
         "--speculative-draft-row-cost",
         type=float,
         default=engine["speculative_draft_row_cost"],
@@ -291,6 +300,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         prompt_lookup_resume=not args.no_prompt_lookup_resume,
         speculative_history_tokens=args.speculative_history_tokens,
         speculative_max_step_tokens=args.speculative_max_step_tokens,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         speculative_draft_row_cost=args.speculative_draft_row_cost,
         speculative_model=args.speculative_model,
         speculative_kv_cache_memory=args.speculative_kv_cache_memory,

@@ -106,8 +106,8 @@ class ContinuousBatching(BatchingPolicy):
         decodes plainly."""
         assert self.proposer is not None
         spec = self.config.speculative
-        if len(self.running) >= spec.max_step_tokens:
-            return None  # a batch this large never speculates (no rows to spare)
+        if not spec.batch_speculates(len(self.running)):
+            return None
         # The step's rows so far, this token and one for each running sequence after it.
         rows = plan.num_batched_tokens + len(self.running) - i
         # The drafts and the token sampled after them must fit the budget too.

@@ -52,6 +52,9 @@ class SpeculativeConfig:
     history_tokens: int = HISTORY_TOKENS
     # Whether prompt lookup also resumes a copy after a token an edit replaced (ngram.py).
     prompt_lookup_resume: bool = True
+    # vLLM's disable_by_batch_size: no drafts while more sequences than this are running (a
+    # deployment's own cut-off, under the one max_step_tokens sets); None: that one alone.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -66,10 +69,18 @@ class SpeculativeConfig:
             raise ValueError("speculative max_step_tokens must be >= 2 (a token and a draft)")
         if not 0.0 <= self.draft_row_cost <= 1.0:
             raise ValueError("speculative draft_row_cost must be within [0, 1]")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative disable_by_batch_size must be >= 1")
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    def batch_speculates(self, running: int) -> bool:
+        """Whether a step with `running` sequences may verify drafts at all: a batch with no
+        rows to spare (max_step_tokens), or past the configured cut-off, never does."""
+        cutoff = self.disable_by_batch_size
+        return running < self.max_step_tokens and (cutoff is None or running <= cutoff)
 
     def num_drafts(self, seq: Sequence, rows: int) -> int:
         """The most drafts `seq` may verify in a step of `rows` rows before them (its own token

@@ -200,3 +200,22 @@ def test_start_up_refuses_a_draft_that_cannot_serve_the_target(loaded: LoadedMod
             speculative_model="tiny-random",
             speculative_kv_cache_memory="16MiB",
         )
+
+
+def test_the_draft_model_does_not_propose_past_disable_by_batch_size(loaded: LoadedModel):
+    """With more sequences running than the cut-off the draft model spends no pass on drafts
+    nobody may verify; once few enough are left it proposes again."""
+    engine = make_engine(
+        loaded, kv_cache_memory="16MiB", speculative_disable_by_batch_size=1, **SELF
+    )
+    engine.add_request("long", PROMPTS[0], GREEDY)
+    engine.add_request("short", PROMPTS[1], SamplingParams(max_tokens=5, temperature=0))
+    proposed_by_running: dict[int, int] = {}
+    while engine.has_unfinished():
+        running = list(engine.policy.running)
+        engine.step()
+        check_pools(engine)
+        assert engine.drafter is not None
+        made = sum(len(engine.drafter.propose(seq, 99)) for seq in running)
+        proposed_by_running[len(running)] = proposed_by_running.get(len(running), 0) + made
+    assert proposed_by_running[2] == 0 and proposed_by_running[1] > 0

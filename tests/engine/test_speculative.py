@@ -205,3 +205,27 @@ def _alone(engine: Engine, prompt: list[int]) -> list[int]:
     """One greedy request to its end on `engine` (its pools checked each step): its tokens."""
     ((_, tokens),), _ = run(engine, [(prompt, GREEDY)])["r0"]
     return tokens
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(loaded: LoadedModel):
+    """vLLM's disable_by_batch_size: steps planned with more running sequences than the cut-off
+    verify nothing; once few enough are left, the survivor speculates; the tokens stay plain
+    decoding's."""
+    short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    requests = [(PROMPTS[0], GREEDY), (PROMPTS[1], short), (PROMPTS[2], short)]
+    config = {"speculative_disable_by_batch_size": 2, "speculative_draft_row_cost": 0.0}
+    engine = make_engine(loaded, kv_cache_memory="16MiB", speculative="ngram", **config)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    stats, drafts_by_running = engine.stats, {}
+    while engine.has_unfinished():
+        drafted = stats.num_draft_tokens_total
+        engine.step()
+        running = stats.num_running
+        drafts_by_running[running] = drafts_by_running.get(running, 0) + (
+            stats.num_draft_tokens_total - drafted
+        )
+    assert drafts_by_running[3] == 0
+    assert sum(d for running, d in drafts_by_running.items() if running <= 2) > 0
+    plain, spec, _ = both(loaded, requests, **config)
+    assert spec == plain

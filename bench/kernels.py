@@ -67,14 +67,16 @@ def smollm2_gguf() -> Path:
 
 def load_matrices(path: Path) -> list[Q4_1Weights | Q8_0Weights]:
     """The step's matrices in order: per layer qkv, o, gate_up, down; the LM head last."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    from engine.models.gguf_index import read_gguf_index
+
+    tensors = {t.name: t for t in read_gguf_index(path).tensors}
 
     def packed(name: str) -> Q4_1Weights | Q8_0Weights:
         t = tensors[name]
-        cls = Q4_1Weights if t.tensor_type.name == "Q4_1" else Q8_0Weights
-        return cls.from_gguf_blocks(t.data, (int(t.shape[1]), int(t.shape[0])))
+        cls = Q4_1Weights if GGMLQuantizationType(t.qtype).name == "Q4_1" else Q8_0Weights
+        return cls.from_gguf_blocks(t.data, (t.dims[1], t.dims[0]))
 
     num_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
     matrices: list[Q4_1Weights | Q8_0Weights] = []

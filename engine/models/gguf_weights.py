@@ -15,9 +15,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+from engine.models.gguf_index import read_gguf_index
 
 # ggml name (block index as {i}) -> transformers name
 _LAYER_NAMES = {
@@ -42,6 +45,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,22 +85,22 @@ def rotary_row_order(num_rows: int, num_heads: int) -> np.ndarray:
 def read_gguf_tensors(path: str | Path) -> tuple[str, dict[str, GGUFTensor]]:
     """(the file's architecture, its tensors by transformers name). Raises ValueError for a
     tensor this mapping does not know (rather than silently dropping weights)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    index = read_gguf_index(path)
+    arch = _field(index.metadata, "general.architecture", str)
+    num_heads = _field(index.metadata, f"{arch}.attention.head_count", int)
+    num_kv_heads = _field(index.metadata, f"{arch}.attention.head_count_kv", int, num_heads)
     tensors: dict[str, GGUFTensor] = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         name = _hf_name(t.name)
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists dims inner first
+        shape = tuple(reversed(t.dims))  # ggml lists dims inner first
         order = None
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
             order = rotary_row_order(shape[0], heads)
-        kind = GGMLQuantizationType(t.tensor_type).name
-        tensors[name] = GGUFTensor(name, kind, shape, t.data, int(t.tensor_type), order)
+        kind = GGMLQuantizationType(t.qtype).name
+        tensors[name] = GGUFTensor(name, kind, shape, t.data, t.qtype, order)
     return arch, tensors
 
 
@@ -109,14 +113,10 @@ def _hf_name(ggml_name: str) -> str:
     return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
 
 
-def _field(reader: object, key: str, default: object = None) -> object:
-    fields = reader.fields  # type: ignore[attr-defined]
-    if key not in fields:
-        if default is None:
-            raise ValueError(f"GGUF file has no {key!r}")
-        return default
-    field = fields[key]
-    value = field.parts[field.data[0]]
-    if value.dtype == np.uint8 and len(field.data) == 1 and field.types[0].name == "STRING":
-        return bytes(value).decode()
-    return value[0] if len(value) == 1 else value
+def _field(metadata: dict[str, object], key: str, kind: type[T], default: T | None = None) -> T:
+    value = metadata.get(key, default)
+    if value is None:
+        raise ValueError(f"GGUF file has no {key!r}")
+    if not isinstance(value, kind):
+        raise ValueError(f"GGUF file's {key!r} is {value!r}, not a {kind.__name__}")
+    return value

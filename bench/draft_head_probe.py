@@ -25,6 +25,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import io
 import json
 import random
 import time
@@ -73,14 +74,27 @@ LAST_NAMES = ("Okafor", "Lindqvist", "Moreau", "Tanaka", "Haddad", "Kowalski", "
 TEAMS = ("sales", "support", "platform", "design", "security", "data", "marketing")
 
 
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """`ast.get_source_segment(source, node)` from the source's lines split once (it splits the
+    whole source on every call: 14 s for CODE_MODULES' functions, against 0.2 s)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset :].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1 : last], tail])
+
+
 def stdlib_functions() -> list[str]:
     """Functions of 6-22 lines from CODE_MODULES' source, in a fixed order."""
     found = []
     for name in CODE_MODULES:
         source = inspect.getsource(importlib.import_module(name))
+        # Split as the ast module does: only at \r\n, \r and \n, each line keeping its end.
+        lines = io.StringIO(source, newline="").readlines()
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.FunctionDef):
-                text = ast.get_source_segment(source, node) or ""
+                text = source_segment(lines, node)
                 if 6 <= text.count("\n") <= 22 and len(text) < 900:
                     found.append(inspect.cleandoc("\n" + text) if text[0] == " " else text)
     return found

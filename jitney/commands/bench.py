@@ -391,6 +391,10 @@ def run(args: argparse.Namespace) -> int:
         return run_queue(args)  # processes of its own: nothing loads torch here
     if args.bench == "placement":
         return run_placement(args)  # processes of its own too
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:  # engine flags out of range: before torch is imported
+        raise SystemExit(f"bench offline: {e}") from None
     import torch
 
     from bench.offline import OfflineBenchError, run_offline_bench, write_json
@@ -399,10 +403,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        config = engine_config_from_args(args)
-    except ValueError as e:  # engine flags out of range: before anything loads
-        raise SystemExit(f"bench offline: {e}") from None
     requests = load_trace(args.trace, args.limit)
     policies = [p for p in args.policies.split(",") if p]
     baselines = [] if args.baseline == "none" else [b for b in args.baseline.split(",") if b]

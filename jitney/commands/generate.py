@@ -22,10 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm_engine import Engine
     from generation import SamplingParams
 
-    try:  # before the model loads: a bad value fails in a moment, not after it
+    try:  # before torch is imported and the model loads: a bad value fails in a moment
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -37,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)  # bad engine flags too
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
+
+    from engine.llm_engine import Engine
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

@@ -134,15 +134,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
     # Our own events at the chosen level; libraries (redis-py, transformers) only warn.
     logging.getLogger("jitney").setLevel(args.log_level.upper())
-    from engine.llm_engine import Engine
-    from protocol import NOOP_MODEL, redacted, redis_url
-    from protocol.model_card import card_from_tokenizer
-    from worker import generation_defaults
-    from worker.engine_loop import StepFailuresExceeded, WorkerService
-    from worker.failpoints import Failpoints
+    # Only what the checks of the flags need comes before them: a bad flag is refused in a moment,
+    # not after the seconds torch and transformers take to import.
     from worker.log_fields import kv
-    from worker.metrics import WorkerMetrics
-    from worker.redis_io import WorkerRedis
     from worker.service_config import ServiceConfig
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -157,13 +151,22 @@ def run(args: argparse.Namespace) -> int:
             prefix_placement=args.prefix_placement,
             placement_steal_ms=args.placement_steal_ms,
         )
+        engine_config = engine_config_from_args(args)
     except ValueError as e:
         logger.error("cannot_start %s", kv(error=e))
         return 2
+    from engine.llm_engine import Engine
+    from protocol import NOOP_MODEL, redacted, redis_url
+    from protocol.model_card import card_from_tokenizer
+    from worker import generation_defaults
+    from worker.engine_loop import StepFailuresExceeded, WorkerService
+    from worker.failpoints import Failpoints
+    from worker.metrics import WorkerMetrics
+    from worker.redis_io import WorkerRedis
 
     try:
-        engine = Engine(engine_config_from_args(args))  # the loader logs each stage
-    except ValueError as e:  # bad flags, or max_model_len does not fit the KV budget
+        engine = Engine(engine_config)  # the loader logs each stage
+    except ValueError as e:  # what needs the model: max_model_len does not fit the KV budget
         logger.error("cannot_start %s", kv(error=e))
         return 2
     except KeyboardInterrupt:

@@ -3,6 +3,8 @@ head that learns, and the whole probe on the tiny random model."""
 
 from __future__ import annotations
 
+import ast
+import io
 import json
 
 import torch
@@ -19,6 +21,21 @@ def test_training_prompts_are_fixed_and_none_is_the_trace_s():
     assert sum("Attendees:" in p for p in prompts) == 4  # a fifth are contact lists
     for text in (CODE.splitlines()[0], REPORT[:40], CONTACTS[:40]):
         assert not any(text in p for p in prompts)
+
+
+def test_a_source_segment_is_the_ast_module_s():
+    # Line ends of every kind, a form feed (not a line end to ast), non-ASCII columns (offsets
+    # count bytes), one-line and many-line nodes.
+    source = (
+        "def f(x):\r\n    s = 'é' + x  # ü\r\n\x0c\n    return s\n"
+        "class C:\r    def g(self): return 'ß'\n\n"
+        "    def h(self,\n          y):\n        return y\n"
+    )
+    lines = io.StringIO(source, newline="").readlines()
+    nodes = [n for n in ast.walk(ast.parse(source)) if getattr(n, "end_lineno", None)]
+    assert len(nodes) > 15
+    for node in nodes:
+        assert probe.source_segment(lines, node) == ast.get_source_segment(source, node)
 
 
 def test_lookup_less_rows_are_the_steps_prompt_lookup_has_nothing_for():

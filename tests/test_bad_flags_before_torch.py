@@ -1,0 +1,57 @@
+"""A command given a bad engine or service flag refuses it before importing torch (the seconds of
+its import, and transformers', are not paid to be told a flag is wrong)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# Runs the CLI in-process, then says whether torch was imported on the way to the refusal.
+RUN_AND_REPORT = """
+import sys
+from jitney.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+if isinstance(code, str):  # what SystemExit would have printed
+    print(code, file=sys.stderr)
+print('torch imported:', 'torch' in sys.modules, file=sys.stderr)
+sys.exit(code if isinstance(code, int) else 1)
+"""
+BAD_SPECULATION = ["--speculative-config", '{"method": "medusa"}']
+TINY = ["--model", "tiny-random", "--device", "cpu"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", *TINY, *BAD_SPECULATION, "hi"], "method 'medusa' is not supported"),
+        (["generate", *TINY, "--temperature", "-1", "hi"], "temperature must be a finite"),
+        (["worker", *TINY, "--metrics-port", "0", *BAD_SPECULATION], "cannot_start"),
+        (
+            ["worker", *TINY, "--metrics-port", "0", "--generation-config", "/nonexistent"],
+            "--generation-config must be auto, vllm or a directory",
+        ),
+        (
+            ["bench", "offline", *TINY, "--trace", "bench/traces/quoting.json", *BAD_SPECULATION],
+            "bench offline: --speculative-config: method 'medusa'",
+        ),
+    ],
+    ids=[
+        "generate-engine-flag",
+        "generate-sampling",
+        "worker-engine-flag",
+        "worker-service-flag",
+        "bench-offline",
+    ],
+)
+def test_a_bad_flag_is_refused_before_torch_is_imported(argv, message):
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_AND_REPORT, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert "torch imported: False" in result.stderr, result.stderr

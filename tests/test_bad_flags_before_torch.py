@@ -1,8 +1,10 @@
-"""A command given a bad engine or service flag refuses it before importing torch (the seconds of
-its import, and transformers', are not paid to be told a flag is wrong)."""
+"""A command given a bad engine or service flag, or a worker whose metrics port is taken, refuses
+it before importing torch (the seconds of its import, and transformers', are not paid to be told
+a flag is wrong)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -49,9 +51,24 @@ TINY = ["--model", "tiny-random", "--device", "cpu"]
     ],
 )
 def test_a_bad_flag_is_refused_before_torch_is_imported(argv, message):
-    result = subprocess.run(
-        [sys.executable, "-c", RUN_AND_REPORT, *argv], capture_output=True, text=True, timeout=120
-    )
+    result = run_and_report(argv)
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
     assert "torch imported: False" in result.stderr, result.stderr
+
+
+def test_a_worker_whose_metrics_port_is_taken_exits_2_before_torch_is_imported():
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_and_report(["worker", *TINY, "--metrics-port", str(port)])
+    assert result.returncode == 2
+    assert f"cannot_start metrics_port={port}" in result.stderr, result.stderr
+    assert "torch imported: False" in result.stderr
+
+
+def run_and_report(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", RUN_AND_REPORT, *argv], capture_output=True, text=True, timeout=120
+    )

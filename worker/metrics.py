@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -28,6 +27,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from engine.step_timing import PHASES, PUBLISH, StepTiming
 from protocol.metric_buckets import TTFT_BUCKETS
 from scheduler import SchedulerStats
+from worker.metrics_server import bind_metrics_port
 from worker.placement_metrics import PlacementMetrics
 from worker.vllm_metrics import served_registry
 
@@ -250,10 +250,13 @@ class WorkerMetrics:
         if n:
             self._handoffs.labels(**self._labels, event=event).inc(n)
 
-    def serve(self, port: int, addr: str = "0.0.0.0", vllm_names: bool = False) -> int:
+    def serve(
+        self, port: int | ThreadingWSGIServer, addr: str = "0.0.0.0", vllm_names: bool = False
+    ) -> int:
         """Serve /metrics, /health (the process is up) and /ready (taking work) in a background
-        thread; returns the port (useful when `port` is 0). `vllm_names`: also export the
-        metrics under vLLM's names (worker/vllm_metrics.py)."""
+        thread, on `port` or on a server bound earlier (worker/metrics_server.py); returns the
+        port (useful when `port` is 0). `vllm_names`: also export the metrics under vLLM's names
+        (worker/vllm_metrics.py)."""
         disable_created_metrics()  # no `_created` series: dashboards never read them
         metrics_app = make_wsgi_app(served_registry(self.registry) if vllm_names else self.registry)
 
@@ -270,7 +273,8 @@ class WorkerMetrics:
                 return [b"ready\n" if ok else b"not ready\n"]
             return metrics_app(environ, start_response)
 
-        server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        server = bind_metrics_port(port, addr) if isinstance(port, int) else port
+        server.set_app(app)
         threading.Thread(target=server.serve_forever, name="jitney-metrics", daemon=True).start()
         return server.server_port
 
@@ -357,8 +361,3 @@ class WorkerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         if e2e_s is not None:
             self.e2e.observe(max(0.0, e2e_s))
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes every few seconds: no access log."""

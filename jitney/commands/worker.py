@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     # Only what the checks of the flags need comes before them: a bad flag is refused in a moment,
     # not after the seconds torch and transformers take to import.
     from worker.log_fields import kv
+    from worker.metrics_server import bind_metrics_port
     from worker.service_config import ServiceConfig
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -154,6 +155,11 @@ def run(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
     except ValueError as e:
         logger.error("cannot_start %s", kv(error=e))
+        return 2
+    try:
+        metrics_server = bind_metrics_port(args.metrics_port)
+    except OSError as e:  # the port is taken: say which, no traceback
+        logger.error("cannot_start %s", kv(metrics_port=args.metrics_port, error=e.strerror))
         return 2
     from engine.llm_engine import Engine
     from protocol import NOOP_MODEL, redacted, redis_url
@@ -195,11 +201,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = WorkerMetrics(served, worker_id)
     view = engine.view
     metrics.describe_engine(view.forward_name, view.kv_cache_dtype, view.block_size)
-    try:
-        port = metrics.serve(args.metrics_port, vllm_names=args.vllm_metrics)
-    except OSError as e:  # the port is taken: say which, no traceback
-        logger.error("cannot_start %s", kv(metrics_port=args.metrics_port, error=e.strerror))
-        return 2
+    port = metrics.serve(metrics_server, vllm_names=args.vllm_metrics)
     keys = Keys(args.key_prefix)
     io = WorkerRedis.connect(
         redis_url(),

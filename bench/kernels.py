@@ -1,15 +1,18 @@
-"""SmolLM2-135M's linear layers, one step's worth, in each way torch or Jitney can keep the weights.
+"""A GGUF model's linear layers, one step's worth, in each way torch or Jitney can keep the weights.
 
-`python -m bench.kernels [--threads 2] [--tokens 1,4,16,64] [--repeat 5] [--crossover [T,...]]`
+`python -m bench.kernels [--model FILE.gguf] [--threads 2] [--tokens 1,4,16,64] [--repeat 5]
+[--crossover [T,...]]`
 
-A step is all of the model's matrix multiplies for T tokens: 30 layers x (fused QKV 960x576,
-o 576x576, fused gate/up 3072x576, down 576x1536) + the tied LM head 49152x576, with the weights of
-the bundled GGUF file. Rows (each measured in the same run, interleaved, best of --repeat):
+A step is all of the model's matrix multiplies for T tokens: per layer fused QKV, o, fused
+gate/up and down, then the LM head, with the weights of the file (default: the bundled SmolLM2
+Q4_1: 30 layers x (960x576, 576x576, 3072x576, 576x1536) + the tied head 49152x576). A fused
+projection whose parts the file stores in different block types keeps each part in its own.
+Rows (each measured in the same run, interleaved, best of --repeat):
   fp32            dense F.linear, the dequantized weights
   bf16            dense F.linear, bf16 weights and activations
   int4pack bf16   torch's _weight_int4pack_mm_for_cpu, group 32, bf16 activations/scales
   int8pack bf16   torch's _weight_int8pack_mm, per-row scales, bf16 activations
-  jitney <isa>    engine/kernels: the file's Q4_1 blocks (+ its Q8_0 head), float32 activations,
+  jitney <isa>    engine/kernels: the file's own blocks (any covered type), float32 activations,
                   one row per level this CPU has (avx2, avx2-int16, avx512, vnni, amx), each
                   with its automatic choice of path (one pass for a few tokens; batched: AMX's
                   bf16 tiles, or dequantized panels + sgemm); at the levels whose one pass
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import Q4_1Weights, Q8_0Weights, kernel_backend
+from engine.kernels import BlockWeights, kernel_backend, linear_parts
 from engine.kernels.build import INTEGER_ISAS
 
 LAYER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
@@ -65,38 +68,46 @@ def smollm2_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_matrices(path: Path) -> list[Q4_1Weights | Q8_0Weights]:
-    """The step's matrices in order: per layer qkv, o, gate_up, down; the LM head last."""
+Projection = tuple[BlockWeights, ...]  # a fused projection's parts, each in its own type
+
+
+def load_matrices(path: Path) -> list[Projection]:
+    """The step's projections in order: per layer qkv, o, gate_up, down; the LM head last (the
+    output matrix, or the tied embedding table)."""
     from gguf import GGMLQuantizationType
 
+    from engine.layers.quantized import QuantizedLinear
     from engine.models.gguf_index import read_gguf_index
 
     tensors = {t.name: t for t in read_gguf_index(path).tensors}
 
-    def packed(name: str) -> Q4_1Weights | Q8_0Weights:
+    def packed(name: str) -> BlockWeights:
         t = tensors[name]
-        cls = Q4_1Weights if GGMLQuantizationType(t.qtype).name == "Q4_1" else Q8_0Weights
-        return cls.from_gguf_blocks(t.data, (t.dims[1], t.dims[0]))
+        kind = GGMLQuantizationType(t.qtype).name
+        return BlockWeights.from_gguf(kind, t.data, (t.dims[1], t.dims[0]))
 
     num_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
-    matrices: list[Q4_1Weights | Q8_0Weights] = []
+    matrices: list[Projection] = []
     for i in range(num_layers):
         for parts in LAYER_PARTS.values():
-            matrices.append(Q4_1Weights.cat([packed(f"blk.{i}.{p}.weight") for p in parts]))
-    matrices.append(packed("token_embd.weight"))
+            fused = QuantizedLinear([packed(f"blk.{i}.{p}.weight") for p in parts], None)
+            matrices.append(fused.parts)
+    matrices.append(
+        (packed("output.weight" if "output.weight" in tensors else "token_embd.weight"),)
+    )
     return matrices
 
 
-def build_methods(matrices: list[Q4_1Weights | Q8_0Weights]) -> list[Method]:
-    dense = [m.dequantize() for m in matrices]
+def build_methods(matrices: list[Projection]) -> list[Method]:
+    dense = [torch.cat([p.dequantize() for p in m]) for m in matrices]
     methods = [
         _dense("fp32", dense, torch.float32),
         _dense("bf16", dense, torch.bfloat16),
         _int4pack("int4pack bf16", dense, torch.bfloat16),
         _int8pack("int8pack bf16", dense),
     ]
-    jitney = [m.linear for m in matrices]
-    nbytes = sum(m.nbytes for m in matrices)
+    jitney = [lambda x, m=m: linear_parts(x, m) for m in matrices]
+    nbytes = sum(p.nbytes for m in matrices for p in m)
     for isa in kernel_backend().available_isas() or ("reference",):
         methods.append(Method(f"jitney {isa}", torch.float32, jitney, nbytes, isa))
         if isa in INTEGER_ISAS:  # `--activation-digits 1`
@@ -169,16 +180,17 @@ def time_steps(methods: list[Method], in_features: list[int], tokens: int, repea
     return best
 
 
-def crossover(matrices: list[Q4_1Weights | Q8_0Weights], tokens: list[int], repeat: int) -> None:
+def crossover(matrices: list[Projection], tokens: list[int], repeat: int) -> None:
     """One pass against the batched path, per shape over all its layers."""
-    by_shape: dict[tuple[int, int], list[Q4_1Weights | Q8_0Weights]] = {}
+    by_shape: dict[tuple[str, int, int], list[BlockWeights]] = {}
     for m in matrices:
-        by_shape.setdefault(m.shape, []).append(m)
+        for part in m:
+            by_shape.setdefault((part.kind, *part.shape), []).append(part)
     print(f"\nms per step for each shape's matrices ({kernel_backend().isa}): one pass / batched")
     print("(* where batched wins)")
     print(f"{'shape':>18} " + " ".join(f"{'T=' + str(t):>15}" for t in tokens))
     with torch.inference_mode():
-        for shape, ms in by_shape.items():
+        for (kind, *shape), ms in by_shape.items():
             paths = {
                 "one pass": [dataclasses.replace(m, batched_min_tokens=1 << 30) for m in ms],
                 "batched": [dataclasses.replace(m, batched_min_tokens=1) for m in ms],
@@ -196,7 +208,6 @@ def crossover(matrices: list[Q4_1Weights | Q8_0Weights], tokens: list[int], repe
                 wins = best["batched"] < best["one pass"]
                 first_win = t if wins and first_win is None else first_win
                 cells.append(f"{best['one pass']:.1f}/{best['batched']:.1f}{'*' if wins else ' '}")
-            kind = type(ms[0]).__name__.removesuffix("Weights")
             label = f"{kind} {shape[0]}x{shape[1]}"
             print(f"{label:>18} " + " ".join(f"{c:>15}" for c in cells) + f"  from T={first_win}")
 
@@ -206,6 +217,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", default="1,4,16,64", help="comma-separated T values")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--model", help="a GGUF file (default: the bundled SmolLM2 Q4_1)")
     parser.add_argument(
         "--crossover",
         nargs="?",
@@ -216,13 +228,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokens = [int(t) for t in args.tokens.split(",")]
 
-    matrices = load_matrices(smollm2_gguf())
+    matrices = load_matrices(Path(args.model) if args.model else smollm2_gguf())
     print(f"kernels: {kernel_backend()}")
     print(f"threads {args.threads}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if args.crossover:
         crossover(matrices, [int(t) for t in args.crossover.split(",")], args.repeat)
     methods = build_methods(matrices)
-    in_features = [m.in_features for m in matrices]
+    in_features = [m[0].in_features for m in matrices]
     rows = {m.name: [] for m in methods}
     for t in tokens:
         for name, ms in time_steps(methods, in_features, t, args.repeat).items():

@@ -2,10 +2,11 @@
 
 Each op is defined here once. Its pure-torch reference is registered for every device
 (CompositeExplicitAutograd); the C++ library, when `ensure_backend()` manages to load it, adds a
-CPU kernel, which the dispatcher prefers. The linears serve the quantized layers
-(engine/layers/quantized.py); argmax_rows and sample_rows the sampler (engine/sampler.py); the
-rest are the per-layer steps of Jitney's CPU forward (engine/models/llama.py) and its in-place
-decode attention (engine/attention/paged_attention.py).
+CPU kernel, which the dispatcher prefers. The linears (a projection of one or more parts, each
+in its own GGUF block type: engine/kernels/block_types.py) and the embedding serve the quantized
+layers (engine/layers/quantized.py); argmax_rows and sample_rows the sampler
+(engine/sampler.py); the rest are the per-layer steps of Jitney's CPU forward
+(engine/models/llama.py) and its in-place decode attention (engine/attention/paged_attention.py).
 The fake implementations give torch.compile the output shapes, so the ops stay opaque (one node
 each) in a compiled graph. `batched_min_tokens` is the token count from which a linear runs its
 batched path (AMX tiles, or dequantized panels and sgemm) instead of the one-pass kernel that
@@ -20,15 +21,16 @@ import functools
 import torch
 
 from engine.kernels import reference
+from engine.kernels.block_types import BLOCK, block_type
 from engine.kernels.build import KernelBackend, load_native
 
 # name -> schema without the name. The linears and the embedding make new tensors; a name
 # ending in "_" also writes into the arguments marked (a!)/(b!), as torch's in-place ops do.
 SCHEMAS = {
     "quant_linear": (
-        "(Tensor x, Tensor blocks, int kind, int rows, int batched_min_tokens) -> Tensor"
+        "(Tensor x, Tensor[] blocks, int[] kinds, int[] rows, int batched_min_tokens) -> Tensor"
     ),
-    "q8_0_embedding": "(Tensor ids, Tensor blocks, int rows) -> Tensor",
+    "quant_embedding": "(Tensor ids, Tensor blocks, int kind, int rows) -> Tensor",
     "argmax_rows": "(Tensor x) -> Tensor",
     "sample_rows": "(Tensor x, Tensor top_k, Tensor top_p, Tensor u) -> Tensor",
     "rms_norm": "(Tensor x, Tensor w, float eps) -> Tensor",
@@ -58,13 +60,14 @@ for _name, _schema in SCHEMAS.items():
 
 
 @torch.library.register_fake("jitney::quant_linear")
-def _quant_linear_fake(x, blocks, kind, rows, batched_min_tokens):
-    return x.new_empty(x.shape[0], rows)
+def _quant_linear_fake(x, blocks, kinds, rows, batched_min_tokens):
+    return x.new_empty(x.shape[0], sum(rows))
 
 
-@torch.library.register_fake("jitney::q8_0_embedding")
-def _q8_0_embedding_fake(ids, blocks, rows):
-    return torch.empty(*ids.shape, blocks.shape[1] * 32, device=blocks.device)
+@torch.library.register_fake("jitney::quant_embedding")
+def _quant_embedding_fake(ids, blocks, kind, rows):
+    columns = blocks.shape[1] * BLOCK * block_type(kind).per_super
+    return torch.empty(*ids.shape, columns, device=blocks.device)
 
 
 @torch.library.register_fake("jitney::argmax_rows")

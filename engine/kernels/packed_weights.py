@@ -1,56 +1,64 @@
-"""Weight matrices kept in GGUF's own 4- and 8-bit blocks, repacked once at load for the kernels.
+"""Weight matrices kept in a GGUF file's own blocks, repacked once at load for the kernels.
 
-A GGUF row of K weights is K/32 blocks, each with an f16 scale d (and, for Q4_1, an f16 minimum
-m). The kernels read sixteen rows at a time, one row per vector lane, so packing regroups the
-blocks: a *record* holds one block of sixteen consecutive rows, element-major (each element's
-sixteen rows side by side), followed by the sixteen rows' scales (engine/kernels/csrc/blocks.h
-documents the byte layout). A matrix is one uint8 tensor [G, K/32, record bytes], G = ceil(N/16),
-read front to back as one stream; rows past N (padding to whole groups) are zero.
+A GGUF row of K weights is K/32 blocks (K/256 super-blocks for K-quants) of one block type;
+engine/kernels/block_types.py describes each type as data and packs a matrix sixteen rows at a
+time, one row per vector lane: a *record* holds one block of sixteen consecutive rows,
+element-major, with their scales (engine/kernels/csrc/blocks.h documents the byte layout). A
+matrix is one uint8 tensor [G, K / (32 * per_super), super-block bytes], G = ceil(N/16), read
+front to back as one stream; rows past N (padding to whole groups) are zero.
 
-Nothing is rounded: the quants are the file's and the scales its f16 values, so resident bytes per
-weight are the file's own (Q4_1 0.625, Q8_0 1.0625), and dequantizing is bit-exact with gguf's.
-Row operations (the loader's Q/K un-permutation, fused QKV and gate/up) unpack to rows and repack.
+Nothing is rounded: the levels are the file's and the scales its f16 values (or a K-quant's
+integers and its super-block's f16 d), so resident bytes per weight are within 3% of the file's,
+and dequantizing is bit-exact with gguf's. Row operations (permuting, concatenating the parts of
+a fused projection of one type) unpack to rows and repack.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Self
+from typing import Self
 
 import numpy as np
 import torch
 
-from engine.kernels import ops, reference
-from engine.kernels.reference import BLOCK, GROUP, RowBlocks
-
-Q4_0_BLOCK_BYTES = 18  # in the GGUF file: f16 d, 16 bytes of nibbles
-Q4_1_BLOCK_BYTES = 20  # f16 d, f16 m, 16 bytes of nibbles
-Q8_0_BLOCK_BYTES = 34  # f16 d, 32 int8
+from engine.kernels import block_types, ops
+from engine.kernels.block_types import BLOCK, GROUP, BlockType, RowFields
 
 
-class _PackedMatrix:
-    """What both formats share: `blocks` [G, K/32, record bytes] and the true row count."""
+@dataclass(frozen=True, slots=True)
+class BlockWeights:
+    """W [rows, K] in the blocks of the GGUF type `kind` ("Q4_K", "Q8_0", ...)."""
 
-    __slots__ = ()  # the dataclasses below keep theirs
-    kind: ClassVar[str]
-    blocks: torch.Tensor
+    kind: str
+    blocks: torch.Tensor  # uint8 [G, K / (32 * per_super), super-block bytes]
     rows: int
-    batched_min_tokens: int
+    batched_min_tokens: int = 0  # 0: the kernels' measured crossover
 
     def __post_init__(self) -> None:
+        bt = block_types.block_type(self.kind)
         # Whatever packs a matrix resolves the kernels (building them once), so a forward never
         # does; later calls are a cache hit.
         ops.kernel_backend()
-        record = reference.RECORD_BYTES[self.kind]
         b = self.blocks
-        if b.dtype != torch.uint8 or b.dim() != 3 or b.shape[2] != record or not b.is_contiguous():
+        width = bt.super_bytes
+        if b.dtype != torch.uint8 or b.dim() != 3 or b.shape[2] != width or not b.is_contiguous():
             got = f"{b.dtype} {tuple(b.shape)}"
+            per = BLOCK * bt.per_super
             raise TypeError(
-                f"{self.kind}: blocks must be contiguous uint8 [G, K/32, {record}], got {got}"
+                f"{self.kind}: blocks must be contiguous uint8 [G, K/{per}, {width}], got {got}"
             )
         if not (b.shape[0] - 1) * GROUP < self.rows <= b.shape[0] * GROUP:
             raise ValueError(f"{self.kind}: {self.rows} rows do not fill {b.shape[0]} groups of 16")
+
+    @property
+    def block_type(self) -> BlockType:
+        return block_types.block_type(self.kind)
+
+    @property
+    def code(self) -> int:
+        """The kind the ops take."""
+        return self.block_type.code
 
     @property
     def out_features(self) -> int:
@@ -58,7 +66,7 @@ class _PackedMatrix:
 
     @property
     def in_features(self) -> int:
-        return self.blocks.shape[1] * BLOCK
+        return self.blocks.shape[1] * BLOCK * self.block_type.per_super
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -69,116 +77,35 @@ class _PackedMatrix:
         """Resident bytes of the packed matrix."""
         return self.blocks.numel()
 
-    def row_blocks(self) -> RowBlocks:
-        """The matrix as rows again: quants [N, K] and scales [N, K/32] as in the file."""
-        return reference.unpack(self.blocks, self.kind, self.rows)
+    def fields(self) -> RowFields:
+        """The matrix as rows again: levels and scales as in the file."""
+        return block_types.unpack(self.blocks, self.block_type, self.rows)
 
     @classmethod
-    def from_row_blocks(cls, rb: RowBlocks, batched_min_tokens: int = 0) -> Self:
-        """Packed from rows; `batched_min_tokens` 0: the kernels' measured crossover."""
-        return cls(reference.pack(rb, cls.kind), rb.q.shape[0], batched_min_tokens)
-
-    def permute_rows(self, perm: torch.Tensor) -> Self:
-        """The same matrix with row i taken from row perm[i] (whole blocks move, nothing is
-        dequantized)."""
-        perm = torch.as_tensor(perm, dtype=torch.long)
-        if perm.shape != (self.out_features,):
-            raise ValueError(f"perm must have {self.out_features} entries, got {tuple(perm.shape)}")
-        rb = self.row_blocks()
-        taken = RowBlocks(rb.q[perm], rb.d[perm], None if rb.m is None else rb.m[perm])
-        return self.from_row_blocks(taken, self.batched_min_tokens)
+    def from_fields(cls, kind: str, f: RowFields, batched_min_tokens: int = 0) -> Self:
+        bt = block_types.block_type(kind)
+        return cls(kind, block_types.pack(f, bt), f.q.shape[0], batched_min_tokens)
 
     @classmethod
-    def cat(cls, parts: Sequence[Self]) -> Self:
-        """One matrix whose rows are the parts' rows, in order (a fused projection)."""
-        if not parts or any(p.in_features != parts[0].in_features for p in parts):
-            raise ValueError("cat needs at least one matrix, all with the same in_features")
-        if len(parts) == 1:
-            return parts[0]
-        rbs = [p.row_blocks() for p in parts]
-        m = None if rbs[0].m is None else torch.cat([rb.m for rb in rbs])  # type: ignore[misc]
-        joined = RowBlocks(torch.cat([rb.q for rb in rbs]), torch.cat([rb.d for rb in rbs]), m)
-        return cls.from_row_blocks(joined, parts[0].batched_min_tokens)
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], equal bit for bit to gguf.quants.dequantize."""
-        return reference.dequantize(self.blocks, self.kind, self.rows)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """y = x @ W.T for float32 x [..., K] -> float32 [..., N]."""
-        if x.dtype != torch.float32:
-            raise TypeError(f"{type(self).__name__}.linear needs float32 x, got {x.dtype}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x has {x.shape[-1]} features, the matrix takes {self.in_features}")
-        if x.dim() == 2:  # the model's [tokens, hidden]: no reshapes on the hot path
-            return self._linear_2d(x)
-        y = self._linear_2d(x.reshape(-1, self.in_features))
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.jitney.quant_linear(
-            x, self.blocks, reference.MATRIX_KINDS.index(self.kind), self.rows,
-            self.batched_min_tokens,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class Q4_1Weights(_PackedMatrix):
-    """W[n, 32b + j] = d[n, b] * q + m[n, b], q the 4-bit quant of element j of block b (0..15)."""
-
-    kind: ClassVar[str] = "Q4_1"
-    blocks: torch.Tensor  # uint8 [G, K/32, 320]
-    rows: int
-    batched_min_tokens: int = 0
-
-    @classmethod
-    def from_gguf_blocks(cls, blocks: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Self:
-        """`blocks`: the tensor's raw bytes, [N, K/32 * 20] uint8 (gguf's `ReaderTensor.data`);
-        `shape`: (N, K), out x in."""
-        raw = _raw_blocks(blocks, shape, Q4_1_BLOCK_BYTES, "Q4_1")
+    def from_gguf(cls, kind: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Self:
+        """`raw`: the tensor's rows as the file holds them, [N, bytes per row] uint8 (gguf's
+        `ReaderTensor.data`); `shape`: (N, K), out x in."""
+        bt = block_types.block_type(kind)
         n, k = shape
-        nibbles = raw[..., 4:]  # byte j: element j (low nibble), element j + 16 (high)
-        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(n, k)
-        d, m = _f16(raw[..., 0:2]), _f16(raw[..., 2:4])
-        return cls.from_row_blocks(RowBlocks(q, d, m))
+        if k % bt.file_elements != 0:
+            raise ValueError(f"{kind} needs in_features divisible by {bt.file_elements}, got {k}")
+        data = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        if data.dtype != np.uint8:
+            raise TypeError(f"{kind} blocks must be uint8 bytes, got {data.dtype}")
+        need = n * (k // bt.file_elements) * bt.file_bytes
+        if data.size != need:
+            raise ValueError(
+                f"{kind} {shape} needs {need} bytes of blocks, got {tuple(data.shape)}"
+            )
+        return cls.from_fields(kind, bt.decode(data.reshape(n, -1)))
 
     @classmethod
-    def from_gguf_q4_0_blocks(
-        cls, blocks: np.ndarray | torch.Tensor, shape: tuple[int, int]
-    ) -> Self:
-        """Q4_0 blocks (w = d * (q - 8)) as Q4_1 with m = -8 d: exact, since multiplying an f16
-        by 8 only moves its exponent (d is at most 8192 for it to stay finite, which gguf's
-        quantizer never comes near)."""
-        raw = _raw_blocks(blocks, shape, Q4_0_BLOCK_BYTES, "Q4_0")
-        n, k = shape
-        nibbles = raw[..., 2:]
-        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(n, k)
-        d = _f16(raw[..., 0:2])
-        m = (d.float() * -8).to(torch.float16)
-        if not torch.equal(m.float(), d.float() * -8):
-            raise ValueError("Q4_0: a block scale too large to move into Q4_1's minimum")
-        return cls.from_row_blocks(RowBlocks(q, d, m))
-
-
-@dataclass(frozen=True, slots=True)
-class Q8_0Weights(_PackedMatrix):
-    """W[n, 32b + j] = d[n, b] * q, q the int8 of element j of block b; also an embedding table."""
-
-    kind: ClassVar[str] = "Q8_0"
-    blocks: torch.Tensor  # uint8 [G, K/32, 544]
-    rows: int
-    batched_min_tokens: int = 0
-
-    @classmethod
-    def from_gguf_blocks(cls, blocks: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Self:
-        """`blocks`: [N, K/32 * 34] uint8; `shape`: (N, K)."""
-        raw = _raw_blocks(blocks, shape, Q8_0_BLOCK_BYTES, "Q8_0")
-        n, k = shape
-        q = raw[..., 2:].contiguous().view(torch.int8).reshape(n, k)
-        return cls.from_row_blocks(RowBlocks(q, _f16(raw[..., 0:2]), None))
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Self:
+    def quantize_q8_0(cls, weight: torch.Tensor) -> Self:
         """Q8_0 blocks of a dense [N, K] matrix (K a multiple of 32), as gguf makes them: per
         block of 32, d = max |w| / 127 in f16 and q = round(w / d)."""
         n, k = weight.shape
@@ -189,34 +116,58 @@ class Q8_0Weights(_PackedMatrix):
         d32 = d.float()
         inv = torch.where(d32 > 0, 1 / d32, torch.zeros_like(d32))
         q = (blocks * inv.unsqueeze(-1)).round().clamp_(-127, 127).to(torch.int8)
-        return cls.from_row_blocks(RowBlocks(q.reshape(n, k), d, None))
+        return cls.from_fields("Q8_0", RowFields(q.reshape(n, k), d))
+
+    def permute_rows(self, perm: torch.Tensor) -> Self:
+        """The same matrix with row i taken from row perm[i] (whole blocks move, nothing is
+        dequantized)."""
+        perm = torch.as_tensor(perm, dtype=torch.long)
+        if perm.shape != (self.out_features,):
+            raise ValueError(f"perm must have {self.out_features} entries, got {tuple(perm.shape)}")
+        taken = RowFields(*(None if t is None else t[perm] for t in self.fields()))
+        return self.from_fields(self.kind, taken, self.batched_min_tokens)
+
+    @classmethod
+    def cat(cls, parts: Sequence[Self]) -> Self:
+        """One matrix whose rows are the parts' rows, in order (a fused projection's parts of
+        one type)."""
+        if not parts or any(p.in_features != parts[0].in_features for p in parts):
+            raise ValueError("cat needs at least one matrix, all with the same in_features")
+        if any(p.kind != parts[0].kind for p in parts):
+            raise ValueError(f"cat joins matrices of one type, got {[p.kind for p in parts]}")
+        if len(parts) == 1:
+            return parts[0]
+        fields = [p.fields() for p in parts]
+        joined = RowFields(
+            *(None if f[0] is None else torch.cat(f) for f in zip(*fields, strict=True))
+        )
+        return cls.from_fields(parts[0].kind, joined, parts[0].batched_min_tokens)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], equal bit for bit to gguf.quants.dequantize."""
+        return block_types.dequantize(self.blocks, self.block_type, self.rows)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T for float32 x [..., K] -> float32 [..., N]."""
+        return linear_parts(x, (self,))
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape, int64/int32) of the dequantized table: float32 [*ids.shape, K]."""
         if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"Q8_0Weights.embedding needs int64 or int32 ids, got {ids.dtype}")
-        return torch.ops.jitney.q8_0_embedding(ids, self.blocks, self.rows)
+            raise TypeError(f"embedding needs int64 or int32 ids, got {ids.dtype}")
+        return torch.ops.jitney.quant_embedding(ids, self.blocks, self.code, self.rows)
 
 
-def _raw_blocks(
-    blocks: np.ndarray | torch.Tensor, shape: tuple[int, int], block_bytes: int, kind: str
-) -> torch.Tensor:
-    """The blocks as an owned uint8 tensor [N, K/32, block_bytes], after checking the shapes."""
-    n, k = shape
-    if k % BLOCK != 0:
-        raise ValueError(f"{kind} needs in_features divisible by {BLOCK}, got {k}")
-    # Copied: gguf hands out a read-only memory map, and the packed arrays must own their memory.
-    raw = torch.tensor(np.asarray(blocks)) if not isinstance(blocks, torch.Tensor) else blocks
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"{kind} blocks must be uint8 bytes, got {raw.dtype}")
-    if raw.numel() != n * (k // BLOCK) * block_bytes:
-        raise ValueError(
-            f"{kind} {shape} needs {n * (k // BLOCK) * block_bytes} bytes of blocks, "
-            f"got {tuple(raw.shape)}"
-        )
-    return raw.reshape(n, k // BLOCK, block_bytes)
-
-
-def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """[N, NB, 2] bytes of little-endian f16 -> float16 [N, NB]."""
-    return raw.contiguous().view(torch.float16).squeeze(-1)
+def linear_parts(x: torch.Tensor, parts: Sequence[BlockWeights]) -> torch.Tensor:
+    """y = x @ [W_0; W_1; ...].T: each part in its own block type, side by side in y, one op."""
+    k = parts[0].in_features
+    if x.dtype != torch.float32:
+        raise TypeError(f"a quantized linear needs float32 x, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the matrix takes {k}")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the model's [tokens, hidden]: no reshape
+    y = torch.ops.jitney.quant_linear(
+        x2, [p.blocks for p in parts], [p.code for p in parts], [p.rows for p in parts],
+        parts[0].batched_min_tokens,
+    )  # fmt: skip
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])

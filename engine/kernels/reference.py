@@ -1,94 +1,30 @@
 """The jitney:: ops in pure torch: the quantized linears dequantize to float32, then F.linear /
 indexing; the layer ops are the few torch ops each stands for.
 
-The fallback where the C++ kernels cannot be built, and the definition of what they compute,
-including the packed layout (`pack` / `unpack`; engine/kernels/csrc/blocks.h reads the same
-bytes). Dequantizing is bit-exact with gguf's `dequantize`: d*q is exact in float32 and `+ m`
-rounds once.
+The fallback where the C++ kernels cannot be built, and the definition of what they compute; the
+packed layout of the quantized weights is engine/kernels/block_types.py's (`pack` / `unpack`;
+engine/kernels/csrc/blocks.h reads the same bytes), whose `dequantize` is bit-exact with gguf's.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.block_types import BLOCK, block_type, dequantize, effective_scales, unpack
 from engine.kv_cache import to_pool
-
-BLOCK = 32  # weights per block, along the input dimension
-GROUP = 16  # rows per record: one row per lane of a 16-float vector
-MATRIX_KINDS = ("Q4_1", "Q8_0")  # a matrix's kind in the ops' `kind` argument: its index here
-# A record: one block of GROUP rows. Q4_1: 16 element pairs x 16 rows, one byte each (the pair's
-# even element in the low nibble, the odd one in the high), then d and m as f16 [16] each. Q8_0:
-# 32 elements x 16 rows of int8, then d as f16 [16].
-RECORD_BYTES = {"Q4_1": GROUP * BLOCK // 2 + 2 * 2 * GROUP, "Q8_0": GROUP * BLOCK + 2 * GROUP}
-
-
-class RowBlocks(NamedTuple):
-    """A quantized matrix by rows, as a GGUF file holds it: quants q [N, K] (Q4_1: uint8 0..15,
-    Q8_0: int8), scales d [N, K/32] float16, minimums m [N, K/32] float16 (Q4_1) or None."""
-
-    q: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None
-
-
-def pack(rb: RowBlocks, kind: str) -> torch.Tensor:
-    """RowBlocks -> uint8 [G, K/32, RECORD_BYTES[kind]] (rows padded with zeros to whole groups)."""
-    n, k = rb.q.shape
-    groups, nb = -(-n // GROUP), k // BLOCK
-    pad = groups * GROUP - n
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [G, 16, ...], zero padded
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).view(groups, GROUP, *t.shape[1:])
-
-    # [G, 16 rows, NB, 32 elements] -> [G, NB, 32 elements, 16 rows]
-    q = grouped(rb.q.contiguous().view(torch.uint8)).view(groups, GROUP, nb, BLOCK)
-    q = q.permute(0, 2, 3, 1)
-    if kind == "Q4_1":
-        q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)  # [G, NB, 16 pairs, 16 rows]
-    scales = [rb.d] if kind == "Q8_0" else [rb.d, rb.m]
-    parts = [q.reshape(groups, nb, -1)]
-    for s in scales:  # [N, NB] f16 -> [G, NB, 16 rows] -> bytes
-        g = grouped(s.to(torch.float16)).permute(0, 2, 1).contiguous()
-        parts.append(g.view(torch.uint8).view(groups, nb, 2 * GROUP))
-    return torch.cat(parts, dim=-1).contiguous()
-
-
-def unpack(blocks: torch.Tensor, kind: str, rows: int) -> RowBlocks:
-    """pack's inverse: the first `rows` rows."""
-    groups, nb, _ = blocks.shape
-    qbytes = GROUP * BLOCK // 2 if kind == "Q4_1" else GROUP * BLOCK
-    q = blocks[..., :qbytes]
-    if kind == "Q4_1":
-        pairs = q.reshape(groups, nb, BLOCK // 2, GROUP)
-        q = torch.stack([pairs & 0x0F, pairs >> 4], dim=3)  # [G, NB, 16, 2, 16]
-    q = q.reshape(groups, nb, BLOCK, GROUP).permute(0, 3, 1, 2).reshape(groups * GROUP, -1)
-    if kind == "Q8_0":
-        q = q.view(torch.int8)
-
-    def scale(i: int) -> torch.Tensor:  # -> [N, NB] float16
-        raw = blocks[..., qbytes + 2 * GROUP * i : qbytes + 2 * GROUP * (i + 1)].contiguous()
-        return raw.view(torch.float16).permute(0, 2, 1).reshape(groups * GROUP, nb)[:rows]
-
-    return RowBlocks(q[:rows].contiguous(), scale(0), scale(1) if kind == "Q4_1" else None)
-
-
-def dequantize(blocks: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
-    """float32 [rows, K]: d*q + m per block (Q8_0: d*q)."""
-    q, d, m = unpack(blocks, kind, rows)
-    n, k = q.shape
-    w = q.view(n, k // BLOCK, BLOCK).to(torch.float32) * d.float().unsqueeze(-1)
-    if m is not None:
-        w = w + m.float().unsqueeze(-1)
-    return w.view(n, k)
 
 
 def quant_linear(
-    x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, batched_min_tokens: int
+    x: torch.Tensor,
+    blocks: list[torch.Tensor],
+    kinds: list[int],
+    rows: list[int],
+    batched_min_tokens: int,
 ) -> torch.Tensor:
-    return F.linear(x, dequantize(blocks, MATRIX_KINDS[kind], rows))
+    """x @ W.T of a projection whose parts (each in its own block type) sit side by side."""
+    weights = [dequantize(b, block_type(k), n) for b, k, n in zip(blocks, kinds, rows, strict=True)]
+    return F.linear(x, torch.cat(weights) if len(weights) > 1 else weights[0])
 
 
 def quantize_activations(
@@ -115,32 +51,41 @@ def quantize_activations(
 def quant_linear_int8_activations(
     x: torch.Tensor, blocks: torch.Tensor, kind: str, rows: int, digits: int = 2
 ) -> torch.Tensor:
-    """What the integer one-pass kernels compute, in float64: per block, d * scale * (the exact
-    integer dot of the weight quants and 254 hi + lo, or hi), plus Q4_1's m * the block sum of
-    the float activations (two digits) or of the rounded ones, scale * sum(hi) (one digit)."""
-    qw, d, m = unpack(blocks, kind, rows)
-    hi, lo, scale = quantize_activations(x, digits)
+    """What the integer one-pass kernels compute, in float64: per sub-block, its scale * the
+    activations' scale * (the exact integer dot of the signed quants u - offset and 254 hi + lo,
+    or hi), plus the block's minimum * the block sum of the float activations (two digits) or of
+    the rounded ones, scale * sum(hi) (one digit)."""
+    bt = block_type(kind)
+    f = unpack(blocks, bt, rows)
+    scales, minimum = effective_scales(f, bt)
+    quants = f.q.double() - bt.offset
+    hi, lo, xscale = quantize_activations(x, digits)
     values = hi.double() * 254 + lo.double() if digits == 2 else hi.double()
     t, k = x.shape
+    per = BLOCK // bt.subs
     y = torch.zeros(t, rows, dtype=torch.float64)
     for b in range(k // BLOCK):
-        cols = slice(b * BLOCK, (b + 1) * BLOCK)
-        dot = values[:, cols] @ qw[:, cols].double().T  # exact: integers below 2^53
-        y += dot * (scale[:, b : b + 1].double() * d[:, b].double())
-        if m is not None:
+        for s in range(bt.subs):
+            cols = slice(b * BLOCK + s * per, b * BLOCK + (s + 1) * per)
+            dot = values[:, cols] @ quants[:, cols].T  # exact: integers below 2^53
+            y += dot * (xscale[:, b : b + 1].double() * scales[:, b * bt.subs + s].double())
+        if minimum is not None:
+            cols = slice(b * BLOCK, (b + 1) * BLOCK)
             if digits == 2:
                 total = x[:, cols].double().sum(dim=1, keepdim=True)
             else:
-                total = scale[:, b : b + 1].double() * hi[:, cols].double().sum(dim=1, keepdim=True)
-            y += total * m[:, b].double()
+                total = xscale[:, b : b + 1].double() * hi[:, cols].double().sum(
+                    dim=1, keepdim=True
+                )
+            y += total * minimum[:, b].double()
     return y
 
 
-def q8_0_embedding(ids: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+def quant_embedding(ids: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int) -> torch.Tensor:
     flat = ids.reshape(-1).long()
     if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < rows):
-        raise IndexError(f"q8_0_embedding: ids out of range [0, {rows})")
-    table = dequantize(blocks, "Q8_0", rows)
+        raise IndexError(f"quant_embedding: ids out of range [0, {rows})")
+    table = dequantize(blocks, block_type(kind), rows)
     return table[flat].view(*ids.shape, table.shape[1])
 
 
@@ -296,18 +241,23 @@ def paged_decode_(
 # llama_decode_layers_'s per-layer tensors: four vectors, then four matrices of four tensors.
 DECODE_LAYER_VECTORS = ("input_norm", "post_norm", "q_norm", "k_norm")
 DECODE_LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
-DECODE_MATRIX_TENSORS = ("blocks", "bias")  # an empty bias where absent
-TENSORS_PER_DECODE_LAYER = len(DECODE_LAYER_VECTORS) + 4 * len(DECODE_MATRIX_TENSORS)
-DECODE_MATRIX_INTS = ("kind", "rows", "batched_min_tokens")  # per matrix, in `matrices`
+# Per matrix: its bias (empty where absent), then the blocks of each part (empty past the last).
+DECODE_MAX_PARTS = 3
+DECODE_MATRIX_TENSORS = 1 + DECODE_MAX_PARTS
+TENSORS_PER_DECODE_LAYER = len(DECODE_LAYER_VECTORS) + 4 * DECODE_MATRIX_TENSORS
+# Per matrix, in `matrices`: its number of parts, batched_min_tokens, each part slot's kind, each
+# part slot's rows (0 past the last part).
+DECODE_MATRIX_INTS = 2 + 2 * DECODE_MAX_PARTS
 
 
 def _present(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.numel() else None
 
 
-def _kind_linear(x: torch.Tensor, parts: list[torch.Tensor], ints: list[int]) -> torch.Tensor:
-    blocks, bias = parts
-    y = quant_linear(x, blocks, *ints)
+def _kind_linear(x: torch.Tensor, tensors: list[torch.Tensor], ints: list[int]) -> torch.Tensor:
+    bias, parts, slots = tensors[0], ints[0], DECODE_MAX_PARTS
+    kinds, rows = ints[2 : 2 + parts], ints[2 + slots : 2 + slots + parts]
+    y = quant_linear(x, tensors[1 : 1 + parts], kinds, rows, ints[1])
     return y if bias.numel() == 0 else y + bias
 
 
@@ -329,7 +279,7 @@ def llama_decode_layers_(
     """Every decoder layer of a decode-only step: the fused forward's layers, op for op."""
     num_tokens, per = x.shape[0], TENSORS_PER_DECODE_LAYER
     head_dim = kv.shape[-1]
-    nt, ni = len(DECODE_MATRIX_TENSORS), len(DECODE_MATRIX_INTS)
+    nt, ni = DECODE_MATRIX_TENSORS, DECODE_MATRIX_INTS
     h = rms_norm(x, tensors[0], eps)
     for layer, window in enumerate(windows):
         t = tensors[layer * per : (layer + 1) * per]

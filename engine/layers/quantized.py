@@ -1,56 +1,66 @@
 """Layers that keep a GGUF file's quantized blocks and multiply through Jitney's CPU kernels.
 
 `quantized_linear(parts, biases)` / `quantized_embedding(table)` return a layer for the block
-types a kernel covers (engine/kernels: Q4_0, Q4_1 and Q8_0 blocks regrouped sixteen rows at a
-time, the file's own quants and f16 scales), or None, and the caller then dequantizes to a dense
-layer. A fused projection concatenates its parts'
-packed rows (whole blocks), so it never dequantizes either.
+types a kernel covers (engine/kernels/block_types.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K, each regrouped sixteen rows at a time with the file's own levels and scales), or None, and
+the caller then dequantizes that matrix to a dense layer. A fused projection keeps each part in
+its own type: parts of one type are joined into one packed matrix (whole blocks), parts of
+different types (Gemma's Q5_0 attn_q/attn_k beside a Q8_0 attn_v) stay side by side and one
+kernel call computes them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from engine.kernels import Q4_1Weights, Q8_0Weights
+from engine.kernels import BlockWeights, linear_parts
+from engine.kernels.block_types import BLOCK_TYPES
 from engine.models.gguf_weights import GGUFTensor
 
-# GGUF block type -> how its rows become a packed matrix. Q4_0 (w = d * (q - 8)) is Q4_1 with
-# m = -8 d, exact in f16 (a power-of-two multiple), so it runs on the Q4_1 kernels.
-_PACKERS: dict[str, Callable[[np.ndarray, tuple[int, int]], Q4_1Weights | Q8_0Weights]] = {
-    "Q4_0": Q4_1Weights.from_gguf_q4_0_blocks,
-    "Q4_1": Q4_1Weights.from_gguf_blocks,
-    "Q8_0": Q8_0Weights.from_gguf_blocks,
-}
-COVERED_KINDS = tuple(_PACKERS)
-_FLOAT_KINDS = ("F32", "F16", "BF16")  # dequantized to dense layers, as they are
+COVERED_KINDS = tuple(BLOCK_TYPES)
+FLOAT_KINDS = ("F32", "F16", "BF16")  # dense layers, as they are
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ W.T (+ b), W kept in its file's blocks; x float32."""
+    """y = x @ [W_0; W_1; ...].T (+ b), each part W_i kept in its file's blocks; x float32."""
 
-    def __init__(self, weights: Q4_1Weights | Q8_0Weights, bias: torch.Tensor | None):
+    def __init__(self, parts: Sequence[BlockWeights], bias: torch.Tensor | None):
         super().__init__()
-        self.weights = weights
+        self.parts = _joined(parts)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     @property
     def nbytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * 4
-        return self.weights.nbytes + bias
+        return sum(p.nbytes for p in self.parts) + bias
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(p.kind for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weights.linear(x)
+        y = linear_parts(x, self.parts)
         return y if self.bias is None else y + self.bias
 
 
-class QuantizedEmbedding(nn.Module):
-    """Token ids -> float32 rows of a Q8_0 table."""
+def _joined(parts: Sequence[BlockWeights]) -> tuple[BlockWeights, ...]:
+    """Neighbouring parts of one type as one matrix (fewer, longer streams for the kernels)."""
+    runs: list[list[BlockWeights]] = []
+    for p in parts:
+        if runs and runs[-1][0].kind == p.kind:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return tuple(BlockWeights.cat(run) for run in runs)
 
-    def __init__(self, weights: Q8_0Weights):
+
+class QuantizedEmbedding(nn.Module):
+    """Token ids -> float32 rows of a table kept in its blocks."""
+
+    def __init__(self, weights: BlockWeights):
         super().__init__()
         self.weights = weights
 
@@ -62,21 +72,26 @@ class QuantizedEmbedding(nn.Module):
         return self.weights.embedding(ids)
 
 
+def packed(tensor: GGUFTensor) -> BlockWeights:
+    """A GGUF tensor of a covered type, packed (its rows in transformers' order)."""
+    return BlockWeights.from_gguf(tensor.kind, tensor.rows(), tensor.shape)  # type: ignore[arg-type]
+
+
 def quantized_linear(
     parts: Sequence[GGUFTensor], biases: Sequence[torch.Tensor | None]
 ) -> QuantizedLinear | None:
-    packed = [_PACKERS[p.kind](p.rows(), p.shape) for p in parts if p.kind in _PACKERS]
-    formats = {type(w) for w in packed}
-    if len(packed) != len(parts) or len(formats) != 1:
-        return None  # a part the kernels do not cover, or parts of two formats: dense
-    return QuantizedLinear(formats.pop().cat(packed), fused_bias(biases))
+    """The projection in its blocks, or None where a part is of a type no kernel covers."""
+    if any(p.kind not in COVERED_KINDS for p in parts):
+        return None
+    return QuantizedLinear([packed(p) for p in parts], fused_bias(biases))
 
 
 def uncovered_kinds(tensors: Mapping[str, GGUFTensor]) -> list[str]:
-    """The quantized block types of a GGUF file's layer matrices that no kernel covers (sorted).
-    The embedding table and a separate LM head may be of any type: those are dequantized."""
+    """The quantized block types of a GGUF file's layer matrices that no kernel covers (sorted):
+    those matrices run dequantized. The embedding table and a separate LM head may be of any
+    type too."""
     kinds = {t.kind for name, t in tensors.items() if name.startswith("model.layers.")}
-    return sorted(kinds - set(COVERED_KINDS) - set(_FLOAT_KINDS))
+    return sorted(kinds - set(COVERED_KINDS) - set(FLOAT_KINDS))
 
 
 def fused_bias(biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -89,6 +104,7 @@ def fused_bias(biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 def quantized_embedding(table: GGUFTensor) -> QuantizedEmbedding | None:
-    if table.kind != "Q8_0":
-        return None  # the kernels look up Q8_0 rows only: other tables are dequantized
-    return QuantizedEmbedding(Q8_0Weights.from_gguf_blocks(table.rows(), table.shape))
+    """The table in its blocks, or None for a float or uncovered type (dequantized instead)."""
+    if table.kind not in COVERED_KINDS:
+        return None
+    return QuantizedEmbedding(packed(table))

@@ -30,7 +30,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention.step_inputs import AttentionMetadata
-from engine.kernels.reference import MATRIX_KINDS
+from engine.kernels.reference import DECODE_MAX_PARTS
 from engine.kv_cache import PagedKVCache
 from engine.layers.quantized import QuantizedLinear
 from engine.models.llama_layer import (
@@ -279,9 +279,12 @@ def _decode_layer_tensors(
         tensors += [layer.input_norm, layer.post_norm]
         tensors += [empty if n is None else n for n in (layer.q_norm, layer.k_norm)]
         for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            if not isinstance(linear, QuantizedLinear):
+            if not isinstance(linear, QuantizedLinear) or len(linear.parts) > DECODE_MAX_PARTS:
                 return None
-            w = linear.weights
-            tensors += [w.blocks, empty if linear.bias is None else linear.bias]
-            matrices += [MATRIX_KINDS.index(w.kind), w.rows, w.batched_min_tokens]
+            parts, unused = linear.parts, DECODE_MAX_PARTS - len(linear.parts)
+            tensors += [empty if linear.bias is None else linear.bias]
+            tensors += [p.blocks for p in parts] + [empty] * unused
+            matrices += [len(parts), parts[0].batched_min_tokens]
+            matrices += [p.code for p in parts] + [0] * unused
+            matrices += [p.rows for p in parts] + [0] * unused
     return tensors, matrices

@@ -15,9 +15,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.kernels import Q8_0Weights
+from engine.kernels import BlockWeights
 from engine.layers.dense import DenseEmbedding, DenseLinear
 from engine.layers.quantized import (
+    FLOAT_KINDS,
     QuantizedEmbedding,
     QuantizedLinear,
     fused_bias,
@@ -103,8 +104,9 @@ class StateDictWeights:
 class GGUFWeights:
     """A GGUF file's tensors (engine/models/gguf_weights.py). With `quantized`, each projection
     and the embedding keep the file's blocks where a kernel covers their type
-    (engine/layers/quantized.py) and everything else is dequantized to `dtype`; without it,
-    every tensor is dequantized (the reference the quantized path is measured against)."""
+    (engine/layers/quantized.py) and everything else is dequantized to `dtype`, matrix by matrix
+    (`dense_fallbacks` names the quantized ones no kernel covers); without it, every tensor is
+    dequantized (the reference the quantized path is measured against)."""
 
     def __init__(self, tensors: Mapping[str, GGUFTensor], dtype: torch.dtype, quantized: bool):
         self.tensors = tensors
@@ -112,6 +114,8 @@ class GGUFWeights:
         self.quantized = quantized
         # Packed tables by prefix: a tied LM head multiplies by the embedding's own blocks.
         self._tables: dict[str, QuantizedEmbedding] = {}
+        # Quantized matrices of a type no kernel covers, by name -> type: dequantized alone.
+        self.dense_fallbacks: dict[str, str] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,19 +132,28 @@ class GGUFWeights:
 
     def linear(self, prefixes: Sequence[str]) -> nn.Module:
         if len(prefixes) == 1 and (table := self._tables.get(prefixes[0])) is not None:
-            return QuantizedLinear(table.weights, None)
+            return QuantizedLinear([table.weights], None)
         parts = [self.tensors[f"{p}.weight"] for p in prefixes]
         biases = [self.optional_vector(f"{p}.bias") for p in prefixes]
-        if self.quantized and (layer := quantized_linear(parts, biases)) is not None:
-            return layer
+        if self.quantized:
+            if (layer := quantized_linear(parts, biases)) is not None:
+                return layer
+            self._note_dense(parts)
         return DenseLinear.fuse([self._dense(t) for t in parts], biases)
 
     def embedding(self, prefix: str) -> nn.Module:
         table = self.tensors[f"{prefix}.weight"]
-        if self.quantized and (layer := quantized_embedding(table)) is not None:
-            self._tables[prefix] = layer
-            return layer
+        if self.quantized:
+            if (layer := quantized_embedding(table)) is not None:
+                self._tables[prefix] = layer
+                return layer
+            self._note_dense([table])
         return DenseEmbedding(self._dense(table))
+
+    def _note_dense(self, tensors: Sequence[GGUFTensor]) -> None:
+        for t in tensors:
+            if t.kind not in FLOAT_KINDS:
+                self.dense_fallbacks[t.name] = t.kind
 
     def _dense(self, tensor: GGUFTensor) -> torch.Tensor:
         return tensor.dequantize().to(self._dtype)
@@ -148,7 +161,7 @@ class GGUFWeights:
 
 class Int8Weights:
     """Any dense source's projections and embedding table as Q8_0 blocks made at load
-    (`Q8_0Weights.quantize`: int8 per weight, one float32 scale per 32), multiplied through the
+    (`BlockWeights.quantize_q8_0`: int8 per weight, one f16 scale per 32), multiplied through the
     CPU kernels; vectors (norms, biases) stay as they are. A tied LM head shares the table's
     blocks, so the weights are held once, in about 1.1 bytes each."""
 
@@ -171,12 +184,14 @@ class Int8Weights:
 
     def linear(self, prefixes: Sequence[str]) -> nn.Module:
         if len(prefixes) == 1 and (table := self._tables.get(prefixes[0])) is not None:
-            return QuantizedLinear(table.weights, None)
+            return QuantizedLinear([table.weights], None)
         parts = [self.dense.vector(f"{p}.weight") for p in prefixes]
         biases = [self.dense.optional_vector(f"{p}.bias") for p in prefixes]
-        return QuantizedLinear(Q8_0Weights.quantize(torch.cat(parts)), fused_bias(biases))
+        weights = BlockWeights.quantize_q8_0(torch.cat(parts))
+        return QuantizedLinear([weights], fused_bias(biases))
 
     def embedding(self, prefix: str) -> nn.Module:
-        layer = QuantizedEmbedding(Q8_0Weights.quantize(self.dense.vector(f"{prefix}.weight")))
+        weights = BlockWeights.quantize_q8_0(self.dense.vector(f"{prefix}.weight"))
+        layer = QuantizedEmbedding(weights)
         self._tables[prefix] = layer
         return layer

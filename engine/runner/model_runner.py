@@ -15,9 +15,9 @@ from transformers import PreTrainedModel
 from engine.attention.step_inputs import AttentionMetadata
 from engine.device_copy import device_tensor
 from engine.kv_cache import PagedKVCache
-from engine.layers.quantized import COVERED_KINDS, uncovered_kinds
+from engine.layers.quantized import COVERED_KINDS
 from engine.models.forward import ModelForward, TransformersForward
-from engine.models.gguf_weights import GGUFTensor, read_gguf_tensors
+from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
 from engine.models.model_loader import LoadedModel
 from engine.models.weight_sources import GGUFWeights, Int8Weights, StateDictWeights
@@ -85,18 +85,14 @@ def resolve_forward(
 
 
 def resolve_quantization(loaded: LoadedModel, impl: str, why_not: str | None) -> str:
-    """`--quantization auto`: "gguf" for a GGUF model whose projections are all in block types
-    the kernels cover, on Jitney's forward, on the CPU in float32 (measured: 5x a dense float32
-    step at one sequence, 3x at 64; docs/performance.md); "none" (dense, exact) otherwise."""
+    """`--quantization auto`: "gguf" for a GGUF model on Jitney's forward, on the CPU in float32
+    (measured: 5x a dense float32 step at one sequence, 3x at 64; docs/performance.md), its
+    matrices of types no kernel covers dequantized one by one; "none" (dense, exact)
+    otherwise."""
     model = loaded.model
     if loaded.gguf_path is None or impl == "transformers" or why_not is not None:
         return "none"
     if model.device.type != "cpu" or model.dtype != torch.float32:
-        return "none"
-    _, tensors = read_gguf_tensors(loaded.gguf_path)
-    missing = uncovered_kinds(tensors)
-    if missing:
-        logger.info("quantization auto: none (no kernel for the file's %s blocks)", missing)
         return "none"
     return "gguf"
 
@@ -108,19 +104,26 @@ def _gguf_forward(loaded: LoadedModel) -> LlamaForward:
         raise ValueError(f"quantization gguf needs a GGUF model; {loaded.name} is not one")
     _require_cpu_float32(model, "gguf")
     _, tensors = read_gguf_tensors(loaded.gguf_path)
-    return LlamaForward(model.config, gguf_block_weights(tensors), fused_ops=True)
+    weights = GGUFWeights(tensors, torch.float32, quantized=True)
+    forward = LlamaForward(model.config, weights, fused_ops=True)
+    log_dense_fallbacks(weights.dense_fallbacks)
+    return forward
 
 
-def gguf_block_weights(tensors: Mapping[str, GGUFTensor]) -> GGUFWeights:
-    """The file's tensors kept in their blocks; refused, saying which, where a layer matrix is in
-    a block type no kernel covers (`--quantization none` dequantizes those)."""
-    missing = uncovered_kinds(tensors)
-    if missing:
-        raise ValueError(
-            f"quantization gguf: the file's {', '.join(missing)} blocks have no kernel "
-            f"(covered: {', '.join(COVERED_KINDS)}); use --quantization none to dequantize them"
-        )
-    return GGUFWeights(tensors, torch.float32, quantized=True)
+def log_dense_fallbacks(fallbacks: Mapping[str, str]) -> None:
+    """One line naming the matrices no kernel covers (they run dequantized, float32)."""
+    if not fallbacks:
+        return
+    by_kind: dict[str, list[str]] = {}
+    for name, kind in fallbacks.items():
+        by_kind.setdefault(kind, []).append(name.removeprefix("model.").removesuffix(".weight"))
+    logger.warning(
+        "quantization gguf: %d matrices in block types no kernel covers run dequantized "
+        "(float32; covered: %s): %s",
+        len(fallbacks),
+        ", ".join(COVERED_KINDS),
+        "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(by_kind.items())),
+    )
 
 
 def _int8_forward(loaded: LoadedModel) -> LlamaForward:

@@ -9,7 +9,7 @@ import torch
 
 from engine.attention.step_inputs import AttentionMetadata
 from engine.config import EngineConfig
-from engine.kernels import Q8_0Weights
+from engine.kernels import BlockWeights
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, fused_bias
 from engine.models.llama import LlamaForward, _decode_only
@@ -72,7 +72,7 @@ def test_int8_logits_stay_close_to_the_dense_model(family):
     assert isinstance(int8.embed, QuantizedEmbedding)
     assert all(isinstance(m, QuantizedLinear) for m in (int8.lm_head, int8.layers[0].gate_up))
     if ref.config.tie_word_embeddings:
-        assert int8.lm_head.weights is int8.embed.weights
+        assert int8.lm_head.parts == (int8.embed.weights,)
     toks, table = rand_tokens(20, seed=3), BlockPool(64).take(5)
     got, _ = _step(int8, _pool(ref.config, "native"), [(toks, 0, 20, table)])
     want, _ = _step(dense, _pool(ref.config, None), [(toks, 0, 20, table)])
@@ -83,14 +83,14 @@ def test_q8_0_quantize_rounds_each_block_to_its_own_scale():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 96, generator=g) * torch.logspace(-3, 1, 6)[:, None]
     w[2, 32:64] = 0  # an all-zero block: scale 0, no division by zero
-    q = Q8_0Weights.quantize(w)
-    quants, scales, _ = q.row_blocks()
+    q = BlockWeights.quantize_q8_0(w)
+    quants, scales = q.fields().q, q.fields().scales
     assert quants.dtype == torch.int8 and scales.shape == (6, 3) and scales[2, 1] == 0
     error = (q.dequantize() - w).abs().view(6, 3, 32)
     assert (error <= scales.float()[..., None] / 2 * (1 + 1e-6) + 1e-12).all()
     assert (quants.view(6, 3, 32).abs().amax(-1)[scales > 0] == 127).all()  # each block's largest
     with pytest.raises(ValueError, match="multiple of 32"):
-        Q8_0Weights.quantize(torch.zeros(2, 40))
+        BlockWeights.quantize_q8_0(torch.zeros(2, 40))
 
 
 def test_int8_needs_a_cpu_float32_model_and_jitneys_forward():

@@ -194,8 +194,10 @@ def test_both_impls_generate_the_same_tokens(loaded: LoadedModel) -> None:
 
 def resident_weight_bytes(forward: LlamaForward) -> int:
     """Bytes the forward keeps for its weights: packed blocks plus dense tensors."""
-    kinds = QuantizedLinear | QuantizedEmbedding
-    packed = {id(m.weights): m.weights for m in forward.modules() if isinstance(m, kinds)}
+    packed = {}
+    for m in forward.modules():
+        parts = (m.weights,) if isinstance(m, QuantizedEmbedding) else getattr(m, "parts", ())
+        packed |= {id(w): w for w in parts}
     dense = {id(p): p for p in forward.parameters()}  # a tied table counts once
     return sum(w.nbytes for w in packed.values()) + sum(
         p.numel() * p.element_size() for p in dense.values()

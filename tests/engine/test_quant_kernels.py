@@ -20,7 +20,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.kernels import Q4_1Weights, Q8_0Weights, build, kernel_backend, reference
+from engine.kernels import BlockWeights, build, kernel_backend, reference
+from engine.kernels.block_types import block_type, unpack
 from engine.kernels.build import INTEGER_ISAS, unavailable_reason
 from engine.models.gguf_index import GGUFIndex, read_gguf_index
 
@@ -77,11 +78,10 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return np.concatenate([d, qs], axis=-1).reshape(n, -1)
 
 
-def pack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> Q4_1Weights | Q8_0Weights:
-    cls = Q4_1Weights if qtype == GGMLQuantizationType.Q4_1 else Q8_0Weights
-    block_bytes = 20 if cls is Q4_1Weights else 34
+def pack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> BlockWeights:
+    bt = block_type(qtype.name)
     n = blocks.shape[0]
-    return cls.from_gguf_blocks(blocks, (n, blocks.shape[1] // block_bytes * 32))
+    return BlockWeights.from_gguf(qtype.name, blocks, (n, blocks.shape[1] // bt.file_bytes * 32))
 
 
 def tolerance(isa: str | None, path: str, digits: int = 2) -> float:
@@ -103,7 +103,7 @@ def int8_activations(isa: str | None, path: str) -> bool:
 def assert_kernel_result(
     y: torch.Tensor,
     x: torch.Tensor,
-    w: Q4_1Weights | Q8_0Weights,
+    w: BlockWeights,
     isa: str | None,
     path: str,
     digits: int = 2,
@@ -273,8 +273,7 @@ def test_reference_path_matches_gguf(gguf_matrices) -> None:
     for _, blocks, qtype in matrices(gguf_matrices):
         w, dense = pack(blocks, qtype), gguf_dense(blocks, qtype)
         xk = x[:, : w.in_features]
-        kind = reference.MATRIX_KINDS.index(w.kind)
-        y = reference.quant_linear(xk, w.blocks, kind, w.rows, w.batched_min_tokens)
+        y = reference.quant_linear(xk, [w.blocks], [w.code], [w.rows], w.batched_min_tokens)
         assert_linear_matches(y, xk, dense)
 
 
@@ -282,12 +281,11 @@ def test_packing_round_trips_every_row_and_pads_the_last_group() -> None:
     """pack/unpack are inverses for any row count; padding rows are zero bytes."""
     for kind, rows in (("Q4_1", 77), ("Q8_0", 33), ("Q4_1", 16)):
         w = pack(random_blocks(kind, rows, 96), GGMLQuantizationType[kind])
-        assert w.blocks.shape == (-(-rows // 16), 3, reference.RECORD_BYTES[kind])
-        rb = w.row_blocks()
-        again = type(w).from_row_blocks(rb)
+        assert w.blocks.shape == (-(-rows // 16), 3, block_type(kind).super_bytes)
+        again = BlockWeights.from_fields(kind, w.fields())
         assert torch.equal(again.blocks, w.blocks)
-        padded = reference.unpack(w.blocks, kind, w.blocks.shape[0] * 16)
-        assert not padded.q[rows:].any() and not padded.d[rows:].float().any()
+        padded = unpack(w.blocks, block_type(kind), w.blocks.shape[0] * 16)
+        assert not padded.q[rows:].any() and not padded.scales[rows:].float().any()
 
 
 def test_linear_keeps_leading_dims() -> None:
@@ -315,7 +313,7 @@ def test_permute_rows_and_cat_move_whole_rows(gguf_matrices, exact_linears) -> N
         assert_linear_matches(w.permute_rows(perm).linear(x), x, w.dequantize()[perm])
     q = pack(*gguf_matrices["blk.0.attn_q.weight"])
     k = pack(*gguf_matrices["blk.3.attn_k.weight"])
-    fused = Q4_1Weights.cat([q, k])
+    fused = BlockWeights.cat([q, k])
     assert fused.shape == (576 + 192, 576)
     assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
     with pytest.raises(ValueError, match="entries"):
@@ -330,7 +328,8 @@ def test_embedding_equals_dequantized_rows(gguf_matrices) -> None:
     ids = torch.tensor([[0, 5, HEAD_ROWS - 1], [17, 17, 2]])
     assert torch.equal(table.embedding(ids), dense[ids])
     assert torch.equal(table.embedding(ids.int()), dense[ids])
-    assert torch.equal(reference.q8_0_embedding(ids, table.blocks, table.rows), dense[ids])
+    want = reference.quant_embedding(ids, table.blocks, table.code, table.rows)
+    assert torch.equal(want, dense[ids])
     with pytest.raises((RuntimeError, IndexError)):
         table.embedding(torch.tensor([HEAD_ROWS]))
 
@@ -346,31 +345,34 @@ def test_resident_bytes_close_to_the_file(gguf_matrices) -> None:
 def test_clear_errors_for_bad_shapes_and_dtypes() -> None:
     blocks = random_blocks("Q4_1", 4, 64)
     with pytest.raises(ValueError, match="divisible by 32"):
-        Q4_1Weights.from_gguf_blocks(blocks, (4, 48))
+        BlockWeights.from_gguf("Q4_1", blocks, (4, 48))
     with pytest.raises(ValueError, match="bytes of blocks"):
-        Q4_1Weights.from_gguf_blocks(blocks, (4, 96))
+        BlockWeights.from_gguf("Q4_1", blocks, (4, 96))
     with pytest.raises(TypeError, match="uint8"):
-        Q4_1Weights.from_gguf_blocks(torch.zeros(4, 40, dtype=torch.int16), (4, 64))
-    w = Q4_1Weights.from_gguf_blocks(blocks, (4, 64))
+        BlockWeights.from_gguf("Q4_1", torch.zeros(4, 40, dtype=torch.int16), (4, 64))
+    with pytest.raises(ValueError, match="no kernel covers block type 'IQ4_XS'"):
+        BlockWeights.from_gguf("IQ4_XS", blocks, (4, 64))
+    w = BlockWeights.from_gguf("Q4_1", blocks, (4, 64))
     with pytest.raises(TypeError, match="float32"):
         w.linear(torch.randn(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="64"):
         w.linear(torch.randn(2, 96))
-    table = Q8_0Weights.from_gguf_blocks(random_blocks("Q8_0", 4, 64), (4, 64))
+    table = BlockWeights.from_gguf("Q8_0", random_blocks("Q8_0", 4, 64), (4, 64))
     with pytest.raises(TypeError, match="ids"):
         table.embedding(torch.tensor([0.0]))
 
 
-@pytest.mark.parametrize("op", ["q4_1", "q8_0", "q8_0_embedding"])
+@pytest.mark.parametrize("op", ["q4_1", "q8_0", "mixed", "embedding"])
 def test_ops_are_opaque_to_torch_compile(op) -> None:
     """Schema, fake (meta) implementation and dispatch agree (torch.library.opcheck)."""
     q4 = pack(random_blocks("Q4_1", 6, 64), GGMLQuantizationType.Q4_1)
     q8 = pack(random_blocks("Q8_0", 6, 64), GGMLQuantizationType.Q8_0)
     x = torch.randn(3, 64)
     name, args = {
-        "q4_1": ("quant_linear", (x, q4.blocks, 0, q4.rows, 40)),
-        "q8_0": ("quant_linear", (x, q8.blocks, 1, q8.rows, 40)),
-        "q8_0_embedding": ("q8_0_embedding", (torch.tensor([[1, 5]]), q8.blocks, q8.rows)),
+        "q4_1": ("quant_linear", (x, [q4.blocks], [0], [q4.rows], 40)),
+        "q8_0": ("quant_linear", (x, [q8.blocks], [1], [q8.rows], 40)),
+        "mixed": ("quant_linear", (x, [q4.blocks, q8.blocks], [0, 1], [q4.rows, q8.rows], 40)),
+        "embedding": ("quant_embedding", (torch.tensor([[1, 5]]), q8.blocks, 1, q8.rows)),
     }[op]
     torch.library.opcheck(getattr(torch.ops.jitney, name).default, args)
 
@@ -437,17 +439,19 @@ def test_native_ops_check_their_inputs() -> None:
     w = pack(random_blocks("Q4_1", 4, 64), GGMLQuantizationType.Q4_1)
     linear = torch.ops.jitney.quant_linear
     with pytest.raises(RuntimeError, match="quant_linear: x must be a float32"):
-        linear(torch.randn(1, 64).double(), w.blocks, 0, w.rows, 40)
+        linear(torch.randn(1, 64).double(), [w.blocks], [0], [w.rows], 40)
     with pytest.raises(RuntimeError, match="x has 48 features"):
-        linear(torch.randn(1, 48), w.blocks, 0, w.rows, 40)
+        linear(torch.randn(1, 48), [w.blocks], [0], [w.rows], 40)
     with pytest.raises(RuntimeError, match="blocks must be"):
-        linear(torch.randn(1, 64), w.blocks[..., :16], 0, w.rows, 40)
+        linear(torch.randn(1, 64), [w.blocks[..., :16]], [0], [w.rows], 40)
     with pytest.raises(RuntimeError, match="blocks must be"):
-        linear(torch.randn(1, 64), w.blocks, 1, w.rows, 40)  # Q4_1 records read as Q8_0
+        linear(torch.randn(1, 64), [w.blocks], [1], [w.rows], 40)  # Q4_1 records read as Q8_0
     with pytest.raises(RuntimeError, match="rows do not fill"):
-        linear(torch.randn(1, 64), w.blocks, 0, 17, 40)
+        linear(torch.randn(1, 64), [w.blocks], [0], [17], 40)
     with pytest.raises(RuntimeError, match="unknown matrix kind"):
-        linear(torch.randn(1, 64), w.blocks, 2, w.rows, 40)
+        linear(torch.randn(1, 64), [w.blocks], [99], [w.rows], 40)
+    with pytest.raises(RuntimeError, match="one kind and one row count per part"):
+        linear(torch.randn(1, 64), [w.blocks], [0, 1], [w.rows], 40)
 
 
 @native_only
@@ -507,9 +511,9 @@ def test_forced_reference_process_uses_the_fallback() -> None:
     """JITNEY_KERNELS=reference: the ops run on the pure-torch path and say why."""
     code = (
         "import torch\n"
-        "from engine.kernels import Q4_1Weights, kernel_backend\n"
+        "from engine.kernels import BlockWeights, kernel_backend\n"
         "from tests.engine.test_quant_kernels import random_blocks\n"
-        "w = Q4_1Weights.from_gguf_blocks(random_blocks('Q4_1', 5, 64), (5, 64))\n"
+        "w = BlockWeights.from_gguf('Q4_1', random_blocks('Q4_1', 5, 64), (5, 64))\n"
         "x = torch.ones(2, 64)\n"
         "assert torch.allclose(w.linear(x), x @ w.dequantize().T, rtol=1e-5)\n"
         "print(kernel_backend().name, kernel_backend().reason)\n"

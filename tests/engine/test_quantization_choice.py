@@ -1,9 +1,11 @@
-"""`--quantization auto`: a GGUF model runs on its own blocks where the kernels cover them, every
-other model stays dense; an explicit `gguf` refuses block types no kernel covers, by name."""
+"""`--quantization auto`: a GGUF model runs on its own blocks where the kernels cover them (a
+matrix of a type no kernel covers runs dequantized alone, named in one log line), every other
+model stays dense."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -12,12 +14,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.config import SPEC, EngineConfig
-from engine.kernels import Q4_1Weights, kernel_backend
+from engine.kernels import BlockWeights, kernel_backend
 from engine.kernels.build import DRAFT_ROW_COST, INTEGER_ISAS, ISAS, ONE_PASS_TOKENS
 from engine.layers.quantized import COVERED_KINDS, QuantizedLinear, uncovered_kinds
 from engine.models.gguf_weights import read_gguf_tensors
+from engine.models.llama import LlamaForward
 from engine.models.model_loader import LoadedModel, load_model
-from engine.runner.model_runner import gguf_block_weights, resolve_forward, resolve_quantization
+from engine.models.weight_sources import GGUFWeights
+from engine.runner.model_runner import log_dense_fallbacks, resolve_forward, resolve_quantization
 from tests.engine.engine_helpers import make_engine
 from tests.engine.speculation_helpers import GREEDY, PROMPTS, both, run
 
@@ -74,29 +78,45 @@ def test_auto_kv_cache_is_float16_beside_quantized_blocks_and_the_models_dtype_e
     ]
 
 
-def test_uncovered_block_types_are_named_and_refused_when_asked_for(smollm2) -> None:
-    """A file whose layer matrices are in a type without a kernel: auto would stay dense, and an
-    explicit gguf says which type and what to do; the embedding's own type does not matter."""
+def test_a_matrix_of_an_uncovered_type_runs_dequantized_alone(smollm2, caplog) -> None:
+    """A file with one layer matrix in a type without a kernel (IQ4_XS here): that projection is
+    dense, every other stays in its blocks, and one log line names the matrix and its type."""
     _, tensors = read_gguf_tensors(smollm2.gguf_path)
     assert uncovered_kinds(tensors) == []
     name = "model.layers.3.mlp.down_proj.weight"
-    changed = {**tensors, name: dataclasses.replace(tensors[name], kind="Q4_K")}
-    assert uncovered_kinds(changed) == ["Q4_K"]
-    with pytest.raises(ValueError, match=r"Q4_K blocks have no kernel \(covered: Q4_0, Q4_1"):
-        gguf_block_weights(changed)
+    t = tensors[name]
+    dense = t.dequantize().numpy()
+    # The same weights as F32 under an uncovered type's name: GGUFTensor.dequantize reads F32.
+    f32 = dataclasses.replace(t, kind="F32", raw=dense, qtype=GGMLQuantizationType.F32)
+    changed = {**tensors, name: dataclasses.replace(f32, kind="IQ4_XS")}
+    assert uncovered_kinds(changed) == ["IQ4_XS"]
+    weights = GGUFWeights(changed, torch.float32, quantized=True)
+    with caplog.at_level(logging.WARNING, logger="jitney.engine.runner"):
+        forward = LlamaForward(smollm2.model.config, weights, fused_ops=True)
+        log_dense_fallbacks(weights.dense_fallbacks)
+    assert not isinstance(forward.layers[3].down, QuantizedLinear)
+    assert torch.equal(forward.layers[3].down.weight, torch.from_numpy(dense))
+    assert isinstance(forward.layers[3].gate_up, QuantizedLinear)
+    assert isinstance(forward.layers[2].down, QuantizedLinear)
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        len(lines) == 1
+        and "1 matrices" in lines[0]
+        and "IQ4_XS: layers.3.mlp.down_proj" in lines[0]
+    )
     table = "model.embed_tokens.weight"
     other_table = dataclasses.replace(tensors[table], kind="Q6_K")
     assert uncovered_kinds({**tensors, table: other_table}) == []
-    assert COVERED_KINDS == ("Q4_0", "Q4_1", "Q8_0")
+    assert COVERED_KINDS == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
-def test_q4_0_blocks_run_on_the_q4_1_kernels_exactly(exact_linears) -> None:
-    """Q4_0 (d * (q - 8)) becomes Q4_1 with m = -8 d: the same weights bit for bit, and the same
-    products as the dequantized matrix."""
+def test_q4_0_blocks_run_exactly(exact_linears) -> None:
+    """Q4_0 (d * (q - 8)): the same weights bit for bit, and the same products as the
+    dequantized matrix."""
     rng = np.random.default_rng(0)
     dense = (rng.standard_normal((48, 96)) * np.logspace(-3, 1, 48)[:, None]).astype(np.float32)
     blocks = quantize(dense, GGMLQuantizationType.Q4_0)
-    w = Q4_1Weights.from_gguf_q4_0_blocks(blocks, (48, 96))
+    w = BlockWeights.from_gguf("Q4_0", blocks, (48, 96))
     want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_0).copy())
     assert torch.equal(w.dequantize(), want)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))

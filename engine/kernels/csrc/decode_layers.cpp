@@ -9,8 +9,10 @@
 //
 // tensors: kTensorsPerLayer per layer, in this order (an empty tensor: absent):
 //   input_norm, post_norm, q_norm, k_norm,
-//   then per matrix (qkv, o, gate_up, down): blocks, bias
-// matrices: per layer and matrix, (kind: 0 Q4_1, 1 Q8_0; rows; batched_min_tokens)
+//   then per matrix (qkv, o, gate_up, down): bias, then the blocks of each of its parts (up to
+//   kMaxParts: a fused projection whose parts are of different block types keeps each)
+// matrices: per layer and matrix, (parts, batched_min_tokens, kind of each part slot, rows of
+//   each part slot), kMaxParts slots each, unused ones 0
 // kv: the whole pool, [layers, 2 (K, V), blocks, block_size, KV, D]; windows: per layer, 0 = none
 
 #include <ATen/core/Tensor.h>
@@ -29,13 +31,16 @@ using namespace jitney_kernels;
 
 constexpr int64_t kVectors = 4;
 constexpr int64_t kMatrices = 4;
-constexpr int64_t kTensorsPerMatrix = 2;
-constexpr int64_t kIntsPerMatrix = 3;
+constexpr int64_t kMaxParts = 3;  // Q, K, V
+constexpr int64_t kTensorsPerMatrix = 1 + kMaxParts;
+constexpr int64_t kIntsPerMatrix = 2 + 2 * kMaxParts;
 constexpr int64_t kTensorsPerLayer = kVectors + kMatrices * kTensorsPerMatrix;
 
 at::Tensor linear(const at::Tensor& h, const at::Tensor* t, const int64_t* m) {
-  at::Tensor y = quant_linear(h, t[0], m[0], m[1], m[2]);
-  if (t[1].numel() > 0) y.add_(t[1]);
+  const int64_t parts = m[0];
+  at::Tensor y = quant_linear(h, at::TensorList(t + 1, parts), at::IntArrayRef(m + 2, parts),
+                              at::IntArrayRef(m + 2 + kMaxParts, parts), m[1]);
+  if (t[0].numel() > 0) y.add_(t[0]);
   return y;
 }
 
@@ -54,6 +59,11 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
               tensors.size(), " tensors for ", L, " layers (", kTensorsPerLayer, " each)");
   TORCH_CHECK(static_cast<int64_t>(matrices.size()) == L * kMatrices * kIntsPerMatrix, op, ": ",
               matrices.size(), " matrix entries for ", L, " layers");
+  for (int64_t i = 0; i < L * kMatrices; ++i) {
+    const int64_t parts = matrices[i * kIntsPerMatrix];
+    TORCH_CHECK(parts >= 1 && parts <= kMaxParts, op, ": a matrix of ", parts, " parts (1 to ",
+                kMaxParts, ")");
+  }
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2, op, ": x must be contiguous [T, hidden]");
   TORCH_CHECK(kv.dim() == 6 && kv.size(0) == L && kv.size(1) == 2 && kv.is_contiguous(), op,
               ": kv must be the contiguous pool [", L, ", 2, blocks, block_size, KV, D]");

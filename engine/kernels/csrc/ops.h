@@ -9,9 +9,10 @@
 
 namespace jitney_kernels {
 
-// quant_linear.cpp (kind: 0 Q4_1, 1 Q8_0; blocks packed as blocks.h says)
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind, int64_t rows,
-                        int64_t batched_min_tokens);
+// quant_linear.cpp: a projection of one or more parts side by side, each blocks packed as
+// blocks.h says, of its kind (blocks.h's Kind) and row count.
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds,
+                        at::IntArrayRef rows, int64_t batched_min_tokens);
 
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

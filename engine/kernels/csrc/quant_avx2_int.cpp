@@ -19,7 +19,11 @@
 //
 // Lanes: a 32-bit lane holds one row's two consecutive elements (2p, 2p+1) as int16, eight rows a
 // register, so a record's pair p is two registers (rows 0-7, 8-15), unpacked once per tile of
-// tokens from the element-major record (blocks.h).
+// tokens from the element-major record (blocks.h). Every type is one instance of one kernel,
+// reading its traits: a bit plane's bits are picked per lane by one vpshufb, tested against the
+// lane's bit and added in; the type's offset comes off the levels in the register (u - offset,
+// signed), which gives the VNNI kernel's integer sums exactly; sub-blocks of 16 (Q6_K) end
+// their sums after eight pairs.
 
 #include <immintrin.h>
 
@@ -36,15 +40,53 @@ inline __m256 load_f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Pair p of a record (elements 2p, 2p+1 of its 16 rows) as int16 pairs: rows 0-7 in lo, 8-15 in hi.
+// vpshufb indices picking, for int16 lane L of register h (row 8h + L/2), the byte of a bit
+// plane's quad word that holds the row's bits (byte 4h + L/4; the high byte of each lane 0), and
+// per pair parity the lane's bit within that byte (4 (row % 2) + 2 (p % 2) + L % 2).
+struct PlaneLanes {
+  alignas(32) uint8_t shuffle[2][32];
+  alignas(32) uint16_t bit[2][16];
+  constexpr PlaneLanes() : shuffle{}, bit{} {
+    for (int h = 0; h < 2; ++h) {
+      for (int L = 0; L < 16; ++L) {
+        shuffle[h][2 * L] = static_cast<uint8_t>(4 * h + L / 4);
+        shuffle[h][2 * L + 1] = 0x80;
+      }
+    }
+    for (int odd = 0; odd < 2; ++odd) {
+      for (int L = 0; L < 16; ++L) bit[odd][L] = static_cast<uint16_t>(1 << (4 * (L / 2 % 2) + 2 * odd + L % 2));
+    }
+  }
+};
+constexpr PlaneLanes kPlaneLanes;
+
+// Pair p of a record (elements 2p, 2p+1 of its 16 rows) as int16 pairs of signed quants
+// (u - offset): rows 0-7 in lo, 8-15 in hi.
 template <Kind kKind>
 inline void pair_i16(const uint8_t* rec, int p, __m256i& lo, __m256i& hi) {
-  if constexpr (kKind == Kind::kQ4_1) {
+  constexpr BlockTraits T = traits(kKind);
+  if constexpr (T.lo_bits == 4) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * p));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i even = _mm_and_si128(v, mask), odd = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
     lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(even, odd));
     hi = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(even, odd));
+#pragma GCC unroll 2
+    for (int k = 0; k < T.hi_planes; ++k) {
+      const __m128i word = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + T.lo_bytes() + 64 * k + 8 * (p / 2)));
+      const __m256i both = _mm256_broadcastsi128_si256(word);
+      const __m256i bit = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPlaneLanes.bit[p % 2]));
+      const __m256i add = _mm256_set1_epi16(static_cast<int16_t>(16 << k));
+      const __m256i* shuffle = reinterpret_cast<const __m256i*>(kPlaneLanes.shuffle);
+      const __m256i l = _mm256_shuffle_epi8(both, _mm256_load_si256(shuffle));
+      const __m256i h = _mm256_shuffle_epi8(both, _mm256_load_si256(shuffle + 1));
+      lo = _mm256_add_epi16(lo, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(l, bit), bit), add));
+      hi = _mm256_add_epi16(hi, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, bit), bit), add));
+    }
+    if constexpr (T.offset != 0) {
+      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(T.offset));
+      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(T.offset));
+    }
   } else {
     const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p));
     const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16));
@@ -53,51 +95,103 @@ inline void pair_i16(const uint8_t* rec, int p, __m256i& lo, __m256i& hi) {
   }
 }
 
+// Sub-block s's scale for rows 8h..8h+7 (dsup: its super-block's d, K-quants).
+template <Kind kKind>
+inline __m256 scale8(const uint8_t* rec, int s, int h, __m256 dsup) {
+  constexpr BlockTraits T = traits(kKind);
+  const uint8_t* p = rec + T.scales_offset() + s * T.scale_bytes();
+  if constexpr (T.scale == ScaleForm::kF16) {
+    return load_f16x8(p + 16 * h);
+  } else {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
+    const __m256i i = T.scale == ScaleForm::kU8 ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v);
+    return _mm256_mul_ps(dsup, _mm256_cvtepi32_ps(i));
+  }
+}
+
+// acc + minimum * s for rows 8h..8h+7 (msup: the super-block's dmin; K-quants' minimum is
+// -(dmin * m), so fnmadd).
+template <Kind kKind>
+inline __m256 add_minimum8(const uint8_t* rec, int h, __m256 msup, __m256 s, __m256 acc) {
+  constexpr BlockTraits T = traits(kKind);
+  const uint8_t* p = rec + T.mins_offset();
+  if constexpr (T.min == MinForm::kF16) {
+    return _mm256_fmadd_ps(load_f16x8(p + 16 * h), s, acc);
+  } else {
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
+    return _mm256_fnmadd_ps(_mm256_mul_ps(msup, _mm256_cvtepi32_ps(m)), s, acc);
+  }
+}
+
 // A tile of TT tokens (1-6: two int32 sums a token, two registers of quants and one broadcast
 // fill AVX2's sixteen) of group g. Float accumulators stay in L1, as gemv_group_avx2's.
 template <Kind kKind, int TT>
 void gemv_group_int(const PackedMatrix& w, int64_t g, const int16_t* x, const float* scale,
                     const float* sx, int64_t t0, float* y, int64_t ldy) {
-  const int64_t K = w.K(), NB = w.NB, R = record_bytes(kKind);
-  const uint8_t* end = w.base + w.G * w.NB * R;
+  constexpr BlockTraits T = traits(kKind);
+  constexpr int P = T.per_super(), kPairs = 16 / T.subs;
+  const int64_t K = w.K(), NB = w.NB, NS = NB / P, R = T.record_bytes();
+  const uint8_t* end = w.base + w.bytes();
   alignas(32) float acc[TT][kGroup] = {};
-  for (int64_t b = 0; b < NB; ++b) {
-    const uint8_t* rec = w.record(g, b);
-    const uint8_t* ahead = rec + kPrefetchRecords * R;
-    if (ahead < end) {
-      for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+  const uint8_t* sup = w.base + g * NS * T.super_bytes();
+  for (int64_t si = 0; si < NS; ++si, sup += T.super_bytes()) {
+    __m256 dsup[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, msup[2] = {dsup[0], dsup[0]};
+    if constexpr (P > 1) {
+      for (int h = 0; h < 2; ++h) dsup[h] = load_f16x8(sup + 16 * h);
     }
-    const int16_t* xb = x + t0 * K + b * kBlock;
-    __m256i sum[TT][2];
-    for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
-#pragma GCC unroll 16
-    for (int p = 0; p < 16; ++p) {
-      __m256i q[2];
-      pair_i16<kKind>(rec, p, q[0], q[1]);
-#pragma GCC unroll 6
-      for (int t = 0; t < TT; ++t) {
-        int32_t pair;
-        __builtin_memcpy(&pair, xb + t * K + 2 * p, 4);
-        const __m256i xp = _mm256_set1_epi32(pair);
-        sum[t][0] = _mm256_add_epi32(sum[t][0], _mm256_madd_epi16(q[0], xp));
-        sum[t][1] = _mm256_add_epi32(sum[t][1], _mm256_madd_epi16(q[1], xp));
-        // Integer adds reassociate: unasked, GCC keeps all sixteen pairs' products on the stack
-        // to add them as a tree. This keeps each sum in its register, one add per product.
-        __asm__("" : "+x"(sum[t][0]), "+x"(sum[t][1]));
+    if constexpr (T.min == MinForm::kU8) {
+      for (int h = 0; h < 2; ++h) msup[h] = load_f16x8(sup + 32 + 16 * h);
+    }
+    const uint8_t* rec = sup + T.header_bytes();
+    for (int r = 0; r < P; ++r, rec += R) {
+      const int64_t b = si * P + r;
+      const uint8_t* ahead = rec + kPrefetchRecords * R;
+      if (ahead < end) {
+        for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
       }
-    }
-    const uint8_t* scales = rec + scales_offset(kKind);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = load_f16x8(scales + 16 * h);
-      for (int t = 0; t < TT; ++t) {
-        const int64_t tb = (t0 + t) * NB + b;
-        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][h]),
-                                   _mm256_mul_ps(d, _mm256_set1_ps(scale[tb])),
-                                   _mm256_load_ps(acc[t] + 8 * h));
-        if constexpr (kKind == Kind::kQ4_1) {
-          a = _mm256_fmadd_ps(load_f16x8(scales + 32 + 16 * h), _mm256_set1_ps(sx[tb]), a);
+      const int16_t* xb = x + t0 * K + b * kBlock;
+#pragma GCC unroll 2
+      for (int s = 0; s < T.subs; ++s) {
+        __m256i sum[TT][2];
+        for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int pp = 0; pp < kPairs; ++pp) {
+          const int p = s * kPairs + pp;
+          __m256i q[2];
+          pair_i16<kKind>(rec, p, q[0], q[1]);
+#pragma GCC unroll 6
+          for (int t = 0; t < TT; ++t) {
+            int32_t pair;
+            __builtin_memcpy(&pair, xb + t * K + 2 * p, 4);
+            const __m256i xp = _mm256_set1_epi32(pair);
+            sum[t][0] = _mm256_add_epi32(sum[t][0], _mm256_madd_epi16(q[0], xp));
+            sum[t][1] = _mm256_add_epi32(sum[t][1], _mm256_madd_epi16(q[1], xp));
+            // Integer adds reassociate: unasked, GCC keeps all sixteen pairs' products on the
+            // stack to add them as a tree. This keeps each sum in its register, one add per
+            // product.
+            __asm__("" : "+x"(sum[t][0]), "+x"(sum[t][1]));
+          }
         }
-        _mm256_store_ps(acc[t] + 8 * h, a);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 d = scale8<kKind>(rec, s, h, dsup[h]);
+          for (int t = 0; t < TT; ++t) {
+            const int64_t tb = (t0 + t) * NB + b;
+            const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][h]),
+                                             _mm256_mul_ps(d, _mm256_set1_ps(scale[tb])),
+                                             _mm256_load_ps(acc[t] + 8 * h));
+            _mm256_store_ps(acc[t] + 8 * h, a);
+          }
+        }
+      }
+      if constexpr (T.min != MinForm::kNone) {
+        for (int h = 0; h < 2; ++h) {
+          for (int t = 0; t < TT; ++t) {
+            const int64_t tb = (t0 + t) * NB + b;
+            const __m256 a = add_minimum8<kKind>(rec, h, msup[h], _mm256_set1_ps(sx[tb]),
+                                                 _mm256_load_ps(acc[t] + 8 * h));
+            _mm256_store_ps(acc[t] + 8 * h, a);
+          }
+        }
       }
     }
   }
@@ -169,11 +263,7 @@ void quantize_activations_int16(const float* x, int64_t T, int64_t K, Int16Activ
 
 void gemv_avx2_int16(const PackedMatrix& w, const Int16Activations& x, const float* sx, int64_t T,
                      float* y, int64_t ldy, int64_t g0, int64_t g1) {
-  if (w.kind == Kind::kQ4_1) {
-    gemv_kind<Kind::kQ4_1>(w, x, sx, T, y, ldy, g0, g1);
-  } else {
-    gemv_kind<Kind::kQ8_0>(w, x, sx, T, y, ldy, g0, g1);
-  }
+  with_kind(w.kind, [&](auto kind) { gemv_kind<decltype(kind)::value>(w, x, sx, T, y, ldy, g0, g1); });
 }
 
 }  // namespace jitney_kernels

@@ -4,10 +4,12 @@
 //
 // gemv_avx512: a few tokens at a time (the decode steps), float32 activations kept exact. Each
 //   record is unpacked once into two vectors per element pair (the pair's 16 rows each) and used
-//   for up to four tokens; every block's partial sums are scaled by the block's d (and its minimum
-//   times the token's block sum added) at the end of the block. The weights stream from memory
+//   for up to eight tokens; every sub-block's partial sums are scaled by its scale (and the
+//   block's minimum times the token's block sum added) at the end of the block. Every type is one
+//   instance, reading its traits (blocks.h). The weights stream from memory
 //   once per call, so one token costs about their read.
-// amx_linear: many tokens at a time (prefill chunks, large decode batches). Each record is
+// amx_linear (Q4_1 and Q8_0; other types take the VNNI one pass on an AMX CPU): many tokens at a
+//   time (prefill chunks, large decode batches). Each record is
 //   dequantized to bf16 in the tile layout AMX takes for its B operand (pairs of elements of one
 //   row side by side, the 16 rows across), and tiles of 16 tokens x 32 elements of x (bf16) are
 //   multiplied into float32 accumulator tiles of 16 tokens x 16 rows: C[t, n] += sum_k x[t, k]
@@ -26,7 +28,7 @@
 #include "blocks.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma,bmi2,amx-tile,amx-bf16")
 #include <immintrin.h>
 
 namespace jitney_kernels {
@@ -45,61 +47,115 @@ inline __m512i load_i8x16(const uint8_t* p) {
 }
 
 // Element pair p of a record as two float vectors (element 2p and 2p+1, the 16 rows across),
-// the quants as they are (not yet scaled).
+// the signed quants u - offset (not yet scaled). A bit plane adds its bit where the pair's
+// lanes have it: pext gathers those sixteen bits of the quad's word into a lane mask.
 template <Kind kKind>
 inline void pair_quants(const uint8_t* rec, int p, __m512& even, __m512& odd) {
-  if constexpr (kKind == Kind::kQ4_1) {
+  constexpr BlockTraits T = traits(kKind);
+  if constexpr (T.lo_bits == 4) {
     const __m512i v = load_u8x16(rec + 16 * p);
-    even = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
-    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    __m512i e = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+    __m512i o = _mm512_srli_epi32(v, 4);
+#pragma GCC unroll 2
+    for (int k = 0; k < T.hi_planes; ++k) {
+      uint64_t word;
+      std::memcpy(&word, rec + T.lo_bytes() + 64 * k + 8 * (p / 2), 8);
+      const uint64_t lanes = 0x1111111111111111ULL << (2 * (p % 2));
+      const __m512i bit = _mm512_set1_epi32(16 << k);
+      e = _mm512_mask_add_epi32(e, static_cast<__mmask16>(_pext_u64(word, lanes)), e, bit);
+      o = _mm512_mask_add_epi32(o, static_cast<__mmask16>(_pext_u64(word, lanes << 1)), o, bit);
+    }
+    if constexpr (T.offset != 0) {
+      e = _mm512_sub_epi32(e, _mm512_set1_epi32(T.offset));
+      o = _mm512_sub_epi32(o, _mm512_set1_epi32(T.offset));
+    }
+    even = _mm512_cvtepi32_ps(e);
+    odd = _mm512_cvtepi32_ps(o);
   } else {
     even = _mm512_cvtepi32_ps(load_i8x16(rec + 32 * p));
     odd = _mm512_cvtepi32_ps(load_i8x16(rec + 32 * p + 16));
   }
 }
 
-// TT tokens (1-8), each with C independent partial sums per block (C = 4 breaks the chain of
+// Sub-block s's scale for the record's 16 rows (dsup: its super-block's d, K-quants).
+template <Kind kKind>
+inline __m512 scale_vec(const uint8_t* rec, int s, __m512 dsup) {
+  constexpr BlockTraits T = traits(kKind);
+  const uint8_t* p = rec + T.scales_offset() + s * T.scale_bytes();
+  if constexpr (T.scale == ScaleForm::kF16) {
+    return load_f16(p);
+  } else {
+    const __m512i i = T.scale == ScaleForm::kU8 ? load_u8x16(p) : load_i8x16(p);
+    return _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(i));
+  }
+}
+
+// acc + minimum * s (msup: the super-block's dmin; K-quants' minimum is -(dmin * m)).
+template <Kind kKind>
+inline __m512 add_minimum(const uint8_t* rec, __m512 msup, __m512 s, __m512 acc) {
+  constexpr BlockTraits T = traits(kKind);
+  const uint8_t* p = rec + T.mins_offset();
+  if constexpr (T.min == MinForm::kF16) {
+    return _mm512_fmadd_ps(load_f16(p), s, acc);
+  } else {
+    return _mm512_fnmadd_ps(_mm512_mul_ps(msup, _mm512_cvtepi32_ps(load_u8x16(p))), s, acc);
+  }
+}
+
+// TT tokens (1-8), each with C independent partial sums per sub-block (C = 4 breaks the chain of
 // 32 multiply-adds a block would otherwise be for one token; with more tokens there is enough
 // independent work with 2). At 8 tokens: 3 x 8 accumulators, within AVX-512's 32 registers.
 template <Kind kKind, int TT, int C>
 void gemv_group(const PackedMatrix& w, int64_t g, const float* x, const float* sx, int64_t t0,
                 float* y, int64_t ldy) {
-  const int64_t K = w.K(), NB = w.NB, R = record_bytes(kKind);
-  const uint8_t* end = w.base + w.G * w.NB * R;
+  constexpr BlockTraits T = traits(kKind);
+  constexpr int P = T.per_super(), kPairs = 16 / T.subs;
+  const int64_t K = w.K(), NB = w.NB, NS = NB / P, R = T.record_bytes();
+  const uint8_t* end = w.base + w.bytes();
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < NB; ++b) {
-    const uint8_t* rec = w.record(g, b);
-    const uint8_t* ahead = rec + kPrefetchRecords * R;
-    if (ahead < end) {
-      for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
-    }
-    __m512 part[TT][C];
-    for (int t = 0; t < TT; ++t)
-      for (int c = 0; c < C; ++c) part[t][c] = _mm512_setzero_ps();
-    const float* xb = x + t0 * K + b * kBlock;
-#pragma GCC unroll 16
-    for (int p = 0; p < 16; ++p) {
-      __m512 even, odd;
-      pair_quants<kKind>(rec, p, even, odd);
-      const int e = C == 4 ? 2 * (p & 1) : 0;  // this pair's two partial sums: e and e + 1
-#pragma GCC unroll 8
-      for (int t = 0; t < TT; ++t) {
-        const float* xt = xb + t * K + 2 * p;
-        part[t][e] = _mm512_fmadd_ps(even, _mm512_set1_ps(xt[0]), part[t][e]);
-        part[t][e + 1] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xt[1]), part[t][e + 1]);
+  const uint8_t* sup = w.base + g * NS * T.super_bytes();
+  for (int64_t si = 0; si < NS; ++si, sup += T.super_bytes()) {
+    __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
+    if constexpr (P > 1) dsup = load_f16(sup);
+    if constexpr (T.min == MinForm::kU8) msup = load_f16(sup + 32);
+    const uint8_t* rec = sup + T.header_bytes();
+    for (int r = 0; r < P; ++r, rec += R) {
+      const int64_t b = si * P + r;
+      const uint8_t* ahead = rec + kPrefetchRecords * R;
+      if (ahead < end) {
+        for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
       }
-    }
-    const __m512 d = load_f16(rec + scales_offset(kKind));
-    for (int t = 0; t < TT; ++t) {
-      __m512 s = _mm512_add_ps(part[t][0], part[t][1]);
-      if constexpr (C == 4) s = _mm512_add_ps(s, _mm512_add_ps(part[t][2], part[t][3]));
-      acc[t] = _mm512_fmadd_ps(s, d, acc[t]);
-    }
-    if constexpr (kKind == Kind::kQ4_1) {
-      const __m512 m = load_f16(rec + scales_offset(kKind) + 32);
-      for (int t = 0; t < TT; ++t) {
-        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(t0 + t) * NB + b]), acc[t]);
+      const float* xb = x + t0 * K + b * kBlock;
+#pragma GCC unroll 2
+      for (int s = 0; s < T.subs; ++s) {
+        __m512 part[TT][C];
+        for (int t = 0; t < TT; ++t)
+          for (int c = 0; c < C; ++c) part[t][c] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int pp = 0; pp < kPairs; ++pp) {
+          const int p = s * kPairs + pp;
+          __m512 even, odd;
+          pair_quants<kKind>(rec, p, even, odd);
+          const int e = C == 4 ? 2 * (pp & 1) : 0;  // this pair's two partial sums: e and e + 1
+#pragma GCC unroll 8
+          for (int t = 0; t < TT; ++t) {
+            const float* xt = xb + t * K + 2 * p;
+            part[t][e] = _mm512_fmadd_ps(even, _mm512_set1_ps(xt[0]), part[t][e]);
+            part[t][e + 1] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xt[1]), part[t][e + 1]);
+          }
+        }
+        const __m512 d = scale_vec<kKind>(rec, s, dsup);
+        for (int t = 0; t < TT; ++t) {
+          __m512 v = _mm512_add_ps(part[t][0], part[t][1]);
+          if constexpr (C == 4) v = _mm512_add_ps(v, _mm512_add_ps(part[t][2], part[t][3]));
+          acc[t] = _mm512_fmadd_ps(v, d, acc[t]);
+        }
+      }
+      if constexpr (T.min != MinForm::kNone) {
+        for (int t = 0; t < TT; ++t) {
+          acc[t] = add_minimum<kKind>(rec, msup, _mm512_set1_ps(sx[(t0 + t) * NB + b]), acc[t]);
+        }
       }
     }
   }
@@ -152,9 +208,11 @@ constexpr int64_t kStreamTokenTiles = 2;
 // One record as a B tile: row p holds (w[n, 2p], w[n, 2p+1]) in bf16 for the 16 rows n.
 template <Kind kKind>
 inline void record_to_tile(const uint8_t* rec, uint16_t* tile) {
-  const __m512 d = load_f16(rec + scales_offset(kKind));
+  static_assert(kKind == Kind::kQ4_1 || kKind == Kind::kQ8_0, "AMX's tiles take Q4_1 and Q8_0");
+  constexpr BlockTraits T = traits(kKind);
+  const __m512 d = load_f16(rec + T.scales_offset());
   __m512 m = _mm512_setzero_ps();
-  if constexpr (kKind == Kind::kQ4_1) m = load_f16(rec + scales_offset(kKind) + 32);
+  if constexpr (kKind == Kind::kQ4_1) m = load_f16(rec + T.mins_offset());
   // cvtne2ps puts the even elements in words 0-15 and the odd ones in 16-31; pairs interleave them.
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -284,11 +342,7 @@ void amx_kind(const PackedMatrix& w, const uint16_t* xb, int64_t T, float* y, in
 
 void gemv_avx512(const PackedMatrix& w, const float* x, const float* sx, int64_t T, float* y,
                  int64_t ldy, int64_t g0, int64_t g1) {
-  if (w.kind == Kind::kQ4_1) {
-    gemv_kind<Kind::kQ4_1>(w, x, sx, T, y, ldy, g0, g1);
-  } else {
-    gemv_kind<Kind::kQ8_0>(w, x, sx, T, y, ldy, g0, g1);
-  }
+  with_kind(w.kind, [&](auto kind) { gemv_kind<decltype(kind)::value>(w, x, sx, T, y, ldy, g0, g1); });
 }
 
 void amx_linear(const PackedMatrix& w, const uint16_t* xb, int64_t T, float* y, int64_t ldy) {

@@ -23,8 +23,15 @@
 // quant_linear_int8_activations is the same arithmetic.
 //
 // Lanes are the record's 16 rows, as everywhere (blocks.h); vpdpbusd wants each lane to hold
-// four consecutive elements of its row, which one vpermb (and for Q4_1 one vpmultishiftqb to
-// pick the nibbles) makes out of the element-major record.
+// four consecutive elements of its row, which one vpermb (and for nibbles one vpmultishiftqb to
+// pick them) makes out of the element-major record; each bit plane (5- and 6-bit types) is one
+// 64-bit mask whose bit 4r + i is lane r's byte i, added in by one masked byte add.
+//
+// Every type is one instance of one kernel, reading its traits (blocks.h): the levels u are
+// unsigned, so a type's offset (Q5_0's 16, Q6_K's 32, and 128 for Q8_0's int8 quants read as
+// u = q + 128) comes off each sub-block's integer sum as offset times the activations' digits'
+// sum over the sub-block, exactly; the scale per sub-block (an f16, or a K-quant's integer times
+// its super-block's d, exact in float32) and the minimum then enter the float epilogue.
 
 #include <algorithm>
 #include <cstdint>
@@ -58,7 +65,7 @@ constexpr Indices kIndices;
 }  // namespace jitney_kernels
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma,bmi2")
 #include <immintrin.h>
 
 namespace jitney_kernels {
@@ -73,15 +80,25 @@ inline __m512 load_f16(const uint8_t* p) {
 // lane bytes (b0, b1) -> (b0 & 15, b0 >> 4, b1 & 15, b1 >> 4) once masked with 0x0F.
 constexpr int64_t kNibbleShifts = 0x2C2824200C080400LL;
 
-// Elements 4j..4j+3 of the record's 16 rows as unsigned bytes, four per lane (Q8_0: + 128).
+// Elements 4j..4j+3 of the record's 16 rows as unsigned bytes (levels u), four per lane
+// (Q8_0: q + 128).
 template <Kind kKind>
 inline __m512i quads(const uint8_t* rec, int j) {
-  if constexpr (kKind == Kind::kQ4_1) {
+  constexpr BlockTraits T = traits(kKind);
+  if constexpr (T.lo_bits == 4) {
     const __m512i v = _mm512_loadu_si512(rec + 64 * (j / 2));
     const __m512i idx = _mm512_load_si512(kIndices.q4[j % 2]);
     const __m512i bytes = _mm512_permutexvar_epi8(idx, v);
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(kNibbleShifts), bytes),
-                            _mm512_set1_epi8(0x0F));
+    __m512i q = _mm512_and_si512(
+        _mm512_multishift_epi64_epi8(_mm512_set1_epi64(kNibbleShifts), bytes),
+        _mm512_set1_epi8(0x0F));
+#pragma GCC unroll 2
+    for (int k = 0; k < T.hi_planes; ++k) {
+      uint64_t bits;
+      __builtin_memcpy(&bits, rec + T.lo_bytes() + 64 * k + 8 * j, 8);
+      q = _mm512_mask_add_epi8(q, _cvtu64_mask64(bits), q, _mm512_set1_epi8(static_cast<char>(16 << k)));
+    }
+    return q;
   } else {
     const __m512i v = _mm512_loadu_si512(rec + 64 * j);
     const __m512i w = _mm512_permutexvar_epi8(_mm512_load_si512(kIndices.q8), v);
@@ -89,60 +106,109 @@ inline __m512i quads(const uint8_t* rec, int j) {
   }
 }
 
-// TT tokens (1-8) of group g, C independent integer sums per block and token (C = 2 breaks the
-// chain of eight dependent vpdpbusd a block is for one or two tokens).
+// Sub-block s's scale for the record's 16 rows (dsup: its super-block's d, K-quants).
+template <Kind kKind>
+inline __m512 scale_vec(const uint8_t* rec, int s, __m512 dsup) {
+  constexpr BlockTraits T = traits(kKind);
+  const uint8_t* p = rec + T.scales_offset() + s * T.scale_bytes();
+  if constexpr (T.scale == ScaleForm::kF16) {
+    return load_f16(p);
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m512i i = T.scale == ScaleForm::kU8 ? _mm512_cvtepu8_epi32(v) : _mm512_cvtepi8_epi32(v);
+    return _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(i));
+  }
+}
+
+// acc + minimum * s for the record's 16 rows (msup: its super-block's dmin, K-quants, whose
+// minimum is -(dmin * m): fnmadd rounds acc - dmin m s as fmadd rounds acc + (-dmin m) s).
+template <Kind kKind>
+inline __m512 add_minimum(const uint8_t* rec, __m512 msup, __m512 s, __m512 acc) {
+  constexpr BlockTraits T = traits(kKind);
+  const uint8_t* p = rec + T.mins_offset();
+  if constexpr (T.min == MinForm::kF16) {
+    return _mm512_fmadd_ps(load_f16(p), s, acc);
+  } else {
+    const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_fnmadd_ps(_mm512_mul_ps(msup, _mm512_cvtepi32_ps(m)), s, acc);
+  }
+}
+
+// TT tokens (1-8) of group g, C independent integer sums per sub-block and token (C = 2 breaks
+// the chain of dependent vpdpbusd a block is for one or two tokens).
 template <Kind kKind, int TT, int C, int kDigits>
 void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const float* sx,
                 int64_t t0, float* y, int64_t ldy) {
-  const int64_t K = w.K(), NB = w.NB, R = record_bytes(kKind);
-  const uint8_t* end = w.base + w.G * w.NB * R;
+  constexpr BlockTraits T = traits(kKind);
+  constexpr int P = T.per_super(), kQuads = 8 / T.subs;
+  constexpr int kOffset = T.offset + (T.lo_bits == 8 ? 128 : 0);
+  const int64_t K = w.K(), NB = w.NB, NS = NB / P, R = T.record_bytes();
+  const uint8_t* end = w.base + w.bytes();
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < NB; ++b) {
-    const uint8_t* rec = w.record(g, b);
-    const uint8_t* ahead = rec + kPrefetchRecords * R;
-    if (ahead < end) {
-      for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
-    }
-    __m512i hi[TT][C], lo[TT][C];
-    for (int t = 0; t < TT; ++t)
-      for (int c = 0; c < C; ++c) hi[t][c] = lo[t][c] = _mm512_setzero_si512();
-    const int64_t xoff = t0 * K + b * kBlock;
+  const uint8_t* sup = w.base + g * NS * T.super_bytes();
+  for (int64_t si = 0; si < NS; ++si, sup += T.super_bytes()) {
+    __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
+    if constexpr (P > 1) dsup = load_f16(sup);
+    if constexpr (T.min == MinForm::kU8) msup = load_f16(sup + 32);
+    const uint8_t* rec = sup + T.header_bytes();
+    for (int r = 0; r < P; ++r, rec += R) {
+      const int64_t b = si * P + r;
+      const uint8_t* ahead = rec + kPrefetchRecords * R;
+      if (ahead < end) {
+        for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+      }
+      const int64_t xoff = t0 * K + b * kBlock;
+#pragma GCC unroll 2
+      for (int s = 0; s < T.subs; ++s) {
+        __m512i hi[TT][C], lo[TT][C];
+        for (int t = 0; t < TT; ++t)
+          for (int c = 0; c < C; ++c) hi[t][c] = lo[t][c] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m512i wq = quads<kKind>(rec, j);
-      const int c = j % C;
+        for (int jj = 0; jj < kQuads; ++jj) {
+          const int j = s * kQuads + jj;
+          const __m512i wq = quads<kKind>(rec, j);
+          const int c = jj % C;
 #pragma GCC unroll 8
-      for (int t = 0; t < TT; ++t) {
-        int32_t h;
-        __builtin_memcpy(&h, x.hi + xoff + t * K + 4 * j, 4);
-        hi[t][c] = _mm512_dpbusd_epi32(hi[t][c], wq, _mm512_set1_epi32(h));
-        if constexpr (kDigits == 2) {
-          int32_t l;
-          __builtin_memcpy(&l, x.lo + xoff + t * K + 4 * j, 4);
-          lo[t][c] = _mm512_dpbusd_epi32(lo[t][c], wq, _mm512_set1_epi32(l));
+          for (int t = 0; t < TT; ++t) {
+            int32_t h;
+            __builtin_memcpy(&h, x.hi + xoff + t * K + 4 * j, 4);
+            hi[t][c] = _mm512_dpbusd_epi32(hi[t][c], wq, _mm512_set1_epi32(h));
+            if constexpr (kDigits == 2) {
+              int32_t l;
+              __builtin_memcpy(&l, x.lo + xoff + t * K + 4 * j, 4);
+              lo[t][c] = _mm512_dpbusd_epi32(lo[t][c], wq, _mm512_set1_epi32(l));
+            }
+          }
+        }
+        const __m512 d = scale_vec<kKind>(rec, s, dsup);
+        for (int t = 0; t < TT; ++t) {
+          __m512i sh = hi[t][0], sl = lo[t][0];
+          if constexpr (C == 2) {
+            sh = _mm512_add_epi32(sh, hi[t][1]);
+            sl = _mm512_add_epi32(sl, lo[t][1]);
+          }
+          const int64_t tb = (t0 + t) * NB + b;
+          if constexpr (kOffset != 0) {  // the levels were read as u: take off offset * sum(x)
+            const int32_t* hs = x.hi_sum16 + 2 * tb;
+            const int32_t* ls = x.lo_sum16 + 2 * tb;
+            const int32_t hsum = T.subs == 2 ? hs[s] : hs[0] + hs[1];
+            sh = _mm512_sub_epi32(sh, _mm512_set1_epi32(kOffset * hsum));
+            if constexpr (kDigits == 2) {
+              const int32_t lsum = T.subs == 2 ? ls[s] : ls[0] + ls[1];
+              sl = _mm512_sub_epi32(sl, _mm512_set1_epi32(kOffset * lsum));
+            }
+          }
+          __m512 v = _mm512_cvtepi32_ps(sh);
+          if constexpr (kDigits == 2) v = _mm512_fmadd_ps(v, _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(sl));
+          acc[t] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(x.scale[tb])), acc[t]);
         }
       }
-    }
-    const __m512 d = load_f16(rec + scales_offset(kKind));
-    for (int t = 0; t < TT; ++t) {
-      __m512i sh = hi[t][0], sl = lo[t][0];
-      if constexpr (C == 2) {
-        sh = _mm512_add_epi32(sh, hi[t][1]);
-        sl = _mm512_add_epi32(sl, lo[t][1]);
+      if constexpr (T.min != MinForm::kNone) {
+        for (int t = 0; t < TT; ++t) {
+          acc[t] = add_minimum<kKind>(rec, msup, _mm512_set1_ps(sx[(t0 + t) * NB + b]), acc[t]);
+        }
       }
-      const int64_t tb = (t0 + t) * NB + b;
-      if constexpr (kKind == Kind::kQ8_0) {  // the weights were read as w + 128
-        sh = _mm512_sub_epi32(sh, _mm512_set1_epi32(128 * x.hi_sum[tb]));
-        if constexpr (kDigits == 2) sl = _mm512_sub_epi32(sl, _mm512_set1_epi32(128 * x.lo_sum[tb]));
-      }
-      __m512 s = _mm512_cvtepi32_ps(sh);
-      if constexpr (kDigits == 2) s = _mm512_fmadd_ps(s, _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(sl));
-      acc[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(x.scale[tb])), acc[t]);
-    }
-    if constexpr (kKind == Kind::kQ4_1) {
-      const __m512 m = load_f16(rec + scales_offset(kKind) + 32);
-      for (int t = 0; t < TT; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(t0 + t) * NB + b]), acc[t]);
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << w.rows_in(g)) - 1);
@@ -176,7 +242,6 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
     const bool two = out.digits == 2;
     out.scale[i] = two ? amax / 127.0f / 254.0f : amax / 127.0f;
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
       // Rounded to nearest, ties to even (the default rounding mode), as torch.round; v - hi is
       // exact in float32.
@@ -184,29 +249,23 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
       const __m512 vh = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512i qh = _mm512_cvtps_epi32(vh);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(qh));
-      hs = _mm512_add_epi32(hs, qh);
+      out.hi_sum16[2 * i + h] = _mm512_reduce_add_epi32(qh);
       if (two) {
         const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, vh), base));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(ql));
-        ls = _mm512_add_epi32(ls, ql);
+        out.lo_sum16[2 * i + h] = _mm512_reduce_add_epi32(ql);
       }
     }
-    out.hi_sum[i] = _mm512_reduce_add_epi32(hs);
-    if (two) {
-      out.lo_sum[i] = _mm512_reduce_add_epi32(ls);
-    } else {
-      out.rounded_sum[i] = out.scale[i] * static_cast<float>(out.hi_sum[i]);
+    if (!two) {
+      const int32_t total = out.hi_sum16[2 * i] + out.hi_sum16[2 * i + 1];
+      out.rounded_sum[i] = out.scale[i] * static_cast<float>(total);
     }
   }
 }
 
 void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
                int64_t ldy, int64_t g0, int64_t g1) {
-  if (w.kind == Kind::kQ4_1) {
-    gemv_kind<Kind::kQ4_1>(w, x, sx, T, y, ldy, g0, g1);
-  } else {
-    gemv_kind<Kind::kQ8_0>(w, x, sx, T, y, ldy, g0, g1);
-  }
+  with_kind(w.kind, [&](auto kind) { gemv_kind<decltype(kind)::value>(w, x, sx, T, y, ldy, g0, g1); });
 }
 
 }  // namespace jitney_kernels

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every row of docs/performance.md's forward tables (issue 26) in one run, interleaved where the
-# rows are compared: Jitney's weight modes, the earlier engine, and llama.cpp on the same file.
+# Every row of docs/performance.md's per-CPU and weight-mode tables in one run, interleaved where
+# the rows are compared: Jitney's weight modes, the earlier engine, and llama.cpp on the same file.
 # Run it on a quiet machine (nothing else running), from the repository root:
 #   BASELINE=<git worktree of 5444940> LLAMA_BIN=<dir with llama-batched-bench, llama-server> \
 #     bench/forward_tables.sh OUT_DIR
@@ -23,7 +23,7 @@ ROOT=$PWD
 
 row() {  # name trace [flags...]: one `jitney bench offline` run, tokens/s and ms per step
   # (--speculative none: the forward against the peer's, a step one token; speculation's own
-  # gain is docs/performance.md's next section)
+  # gain is docs/performance.md#speculative-decoding)
   local name=$1 trace=$2
   shift 2
   $PY -m jitney.cli bench offline --model smollm2-135m --policies continuous --baseline none \

@@ -114,7 +114,7 @@ def sample_rows(
     picks = rows.picks
     if rows.draft_rows:  # the draft rows are picked with the sampling rows, each as its own
         # Without prompt rows the forward's rows are already these, in this order; copying them
-        # (1.5 MB for SmolLM2's 8 rows) took 0.12 ms of a 7-draft step (docs/performance.md).
+        # (1.5 MB for SmolLM2's 8 rows) took 0.12 ms of a 7-draft step (docs/notes/speculation.md).
         logits = every_row if not rows.prompt_rows else torch.cat([logits, draft_logits])
     params = picks.params()
     if any(p.adjusts_logits for p in params):

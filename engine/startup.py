@@ -99,7 +99,7 @@ def speculative_step_rows(config: EngineConfig, forward_name: str) -> int:
     """`speculative_max_step_tokens`, with None resolved: where the forward runs the CPU's
     quantized kernels, the tokens one pass of them serves at the level in use (a row more
     starts a second pass: on a Zen 3 at avx2-int16 the linears of 6 rows cost 1.8x one row's
-    and of 8 rows 2.7x; docs/performance.md), else SPEC.max_step_tokens."""
+    and of 8 rows 2.7x; docs/notes/speculation.md), else SPEC.max_step_tokens."""
     if config.speculative_max_step_tokens is not None:
         return config.speculative_max_step_tokens
     if (isa := _one_pass_isa(forward_name)) is not None:

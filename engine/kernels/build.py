@@ -61,7 +61,7 @@ ONE_PASS_TOKENS = {"avx2": 4, "avx2-int16": 6, "avx512": 8, "vnni": 8, "amx": 8}
 # What one more row costs within that pass, as a share of a one-row step of the bundled model:
 # where speculation's price for a row starts, before the engine has measured its own steps
 # (scheduler/speculation/row_cost.py; the same level costs 0.22 on a Zen 4's vnni). Measured
-# in `jitney bench offline`'s steps by drafts verified (docs/performance.md): AMX Xeon 0.11
+# in `jitney bench offline`'s steps by drafts verified (docs/notes/speculation.md): AMX Xeon 0.11
 # (7 drafts 15.96 ms against 9.03), Zen 3 avx2-int16 0.22; avx2 and avx512 from their kernels'
 # rows (2.5x and 1.5x one row's linears for 8).
 DRAFT_ROW_COST = {"avx2": 0.25, "avx2-int16": 0.22, "avx512": 0.1, "vnni": 0.11, "amx": 0.11}

@@ -36,8 +36,8 @@ class SpeculativeConfig:
     # this: a step costs about the same for a few rows as for one only while it is bound by
     # reading the weights; past that it is bound by arithmetic and every rejected draft is paid
     # for. 8 is this CPU's: its one-pass kernel serves up to 8 tokens (8 cost 1.5x one, 4 cost
-    # 1.13x; bench/traces/quoting.json, mixed-64: docs/performance.md); a GPU stays bound by the
-    # weight read to far more rows.
+    # 1.13x; bench/traces/quoting.json, mixed-64: docs/notes/speculation.md); a GPU stays bound
+    # by the weight read to far more rows.
     max_step_tokens: int = 8
     # What one more row costs, as a share of a one-row step: a draft is verified only while the
     # odds of keeping it pay for its row (scheduler/speculation/odds.py). 0.1-0.25 on the CPU

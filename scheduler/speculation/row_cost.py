@@ -2,7 +2,7 @@
 
 A draft is worth verifying only if its odds pay for its row (odds.py), so the row's price must
 be this machine's: the kernels' level alone does not tell it (the VNNI one pass costs 0.11 of a
-step per row on an AMX Xeon and 0.2-0.3 on a Zen 4; docs/performance.md). The engine reports
+step per row on an AMX Xeon and 0.2-0.3 on a Zen 4; docs/notes/speculation.md). The engine reports
 each decode-only step's rows (its tokens: one per sequence, plus the drafts) and its seconds;
 only steps within the rows a step may spend on drafts count (a fuller batch never speculates,
 and runs the batched kernels, whose rows are priced otherwise); per row count a running mean

@@ -1,6 +1,6 @@
-"""bench/speculation_tables.sh (the README's speculation table) end to end, on cut-down traces:
-every trace runs off and on each round in one process, and the table has a row per trace with
-the speed-up, the drafts kept and the tail."""
+"""bench/speculation_tables.sh (docs/performance.md's speculation table) end to end, on cut-down
+traces: every trace runs off and on each round in one process, and the table has a row per trace
+with the speed-up, the drafts kept and the tail."""
 
 from __future__ import annotations
 

@@ -169,7 +169,9 @@ class LlamaLayer(nn.Module):
         qkv = _fused_or_parts(weights, f"{attn}qkv_proj", [f"{attn}{p}_proj" for p in "qkv"])
         self.qkv = weights.linear(qkv)
         self.o = weights.linear([f"{attn}o_proj"])
-        gate_up = _fused_or_parts(weights, f"{mlp}gate_up_proj", [f"{mlp}{p}_proj" for p in ("gate", "up")])
+        gate_up = _fused_or_parts(
+            weights, f"{mlp}gate_up_proj", [f"{mlp}{p}_proj" for p in ("gate", "up")]
+        )
         self.gate_up = weights.linear(gate_up)
         self.down = weights.linear([f"{mlp}down_proj"])
         switches = shape.switches

@@ -83,9 +83,8 @@ def rotary_tables(
 
 def _original_max_len(config: Any, params: Mapping[str, Any]) -> int:
     original = params.get("original_max_position_embeddings")
-    return original or getattr(config, "original_max_position_embeddings", None) or (
-        config.max_position_embeddings
-    )
+    original = original or getattr(config, "original_max_position_embeddings", None)
+    return original or config.max_position_embeddings
 
 
 def _table(

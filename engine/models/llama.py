@@ -103,10 +103,12 @@ class LlamaForward(nn.Module):
         self.dtype = weights.dtype
         # Gemma: embeddings times sqrt(hidden) in the model's dtype, as transformers rounds it
         # (a float32 scalar, then cast).
-        self.embed_scale = (
-            None
-            if switches.embed_scale is None
-            else torch.tensor(switches.embed_scale).to(self.dtype).to(self.norm.device)
+        scale = switches.embed_scale
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer(
+            "embed_scale",
+            None if scale is None else torch.tensor(scale).to(self.norm.device, self.dtype),
+            persistent=False,
         )
         if fused_ops and self.dtype != torch.float32:
             raise ValueError(f"the jitney:: layer ops run in float32, not {self.dtype}")

@@ -93,7 +93,15 @@ def llama1b_checkpoint(out: Path, tokenizer_dir: Path) -> Path:
 def convert(llama_dir: Path, checkpoint: Path, out: Path) -> Path:
     if not out.exists():
         script = llama_dir / "convert_hf_to_gguf.py"
-        cmd = [sys.executable, str(script), str(checkpoint), "--outtype", "f16", "--outfile", str(out)]
+        cmd = [
+            sys.executable,
+            str(script),
+            str(checkpoint),
+            "--outtype",
+            "f16",
+            "--outfile",
+            str(out),
+        ]
         subprocess.run(cmd, check=True, cwd=llama_dir)
     return out
 

@@ -62,7 +62,7 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
             logger.info("CPU kernels: %d int8 digit(s) an activation", config.activation_digits)
     model = loaded.model
     forward_name, forward = resolve_forward(
-        loaded, config.model_impl, config.quantization, config.compile
+        loaded, config.model_impl, config.quantization, config.compile, config.max_model_len
     )
     logger.info("forward: %s", forward_name)
     spec = kv_cache_spec(config, loaded, forward_name)

@@ -36,6 +36,7 @@ SCHEMAS = {
     "rms_norm": "(Tensor x, Tensor w, float eps) -> Tensor",
     "add_rms_norm_": "(Tensor(a!) x, Tensor r, Tensor w, float eps) -> Tensor",
     "silu_mul": "(Tensor gu) -> Tensor",
+    "gelu_tanh_mul": "(Tensor gu) -> Tensor",
     "rope_write_kv_": (
         "(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) key_slots, "
         "Tensor(b!) value_slots, int num_heads, int num_kv_heads, Tensor? q_norm, "
@@ -46,9 +47,10 @@ SCHEMAS = {
         "Tensor ctx_lens, float scale, int window, Tensor(a!) out) -> ()"
     ),
     "llama_decode_layers_": (
-        "(Tensor(a!) x, Tensor[] tensors, int[] matrices, Tensor cos, Tensor sin, Tensor slots, "
-        "Tensor(b!) kv, Tensor block_tables, Tensor ctx_lens, int num_heads, int num_kv_heads, "
-        "float eps, int[] windows) -> ()"
+        "(Tensor(a!) x, Tensor[] tensors, int[] matrices, Tensor[] cos, Tensor[] sin, "
+        "Tensor slots, Tensor(b!) kv, Tensor block_tables, Tensor ctx_lens, int num_heads, "
+        "int num_kv_heads, float eps, int[] windows, int[] rope_tables, Tensor[] out_norms, "
+        "float scale, int activation) -> ()"
     ),
 }
 
@@ -95,6 +97,11 @@ def _silu_mul_fake(gu):
     return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
 
 
+@torch.library.register_fake("jitney::gelu_tanh_mul")
+def _gelu_tanh_mul_fake(gu):
+    return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+
+
 @torch.library.register_fake("jitney::rope_write_kv_")
 def _rope_write_kv_fake(
     qkv, cos, sin, slots, key_slots, value_slots, num_heads, num_kv_heads, q_norm, k_norm, eps
@@ -123,6 +130,10 @@ def _llama_decode_layers_fake(
     num_kv_heads,
     eps,
     windows,
+    rope_tables,
+    out_norms,
+    scale,
+    activation,
 ):
     return None
 

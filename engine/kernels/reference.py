@@ -181,9 +181,15 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2F] -> gelu_tanh(gate) * up (Gemma's GeGLU), gate and up its two halves."""
+    gate, up = gu.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_write_kv_(
     qkv: torch.Tensor,  # [T, (H + 2 KV) * D]
-    cos: torch.Tensor,  # [T, D], both halves
+    cos: torch.Tensor,  # [T, R], both halves of the rotated width R <= D (0: no rotation)
     sin: torch.Tensor,
     slots: torch.Tensor,  # [T] int64: each token's cache slot
     key_slots: torch.Tensor,  # [slots, KV, D], written
@@ -194,8 +200,9 @@ def rope_write_kv_(
     k_norm: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """[T, H + KV, D]: Q's and K's heads, each normed (where a weight is given) and rotated by
-    its token's angles; K and V written to their slots."""
+    """[T, H + KV, D]: Q's and K's heads, each normed (where a weight is given) and its first R
+    elements rotated by its token's angles (Phi's partial rotation: the rest kept; SmolLM3's
+    layers without RoPE: R = 0); K and V written to their slots."""
     num_tokens = qkv.shape[0]
     heads = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, -1)
     q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
@@ -203,10 +210,13 @@ def rope_write_kv_(
         q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)
-    half = heads.shape[-1] // 2
+    width = cos.shape[1]
+    half = width // 2
     qk = torch.cat([q, k], dim=1)
     c, s = cos[:, None], sin[:, None]
-    qk = qk * c + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * s
+    rot = qk[..., :width]
+    rot = rot * c + torch.cat([-rot[..., half:], rot[..., :half]], dim=-1) * s
+    qk = torch.cat([rot, qk[..., width:]], dim=-1)
     key_slots[slots] = to_pool(qk[:, num_heads:], key_slots.dtype)  # 16-bit: rounded (to_pool)
     value_slots[slots] = to_pool(v, value_slots.dtype)
     return qk
@@ -265,8 +275,8 @@ def llama_decode_layers_(
     x: torch.Tensor,  # [T, hidden]: the residual stream, updated in place
     tensors: list[torch.Tensor],  # TENSORS_PER_DECODE_LAYER per layer
     matrices: list[int],  # per layer and matrix: DECODE_MATRIX_INTS
-    cos: torch.Tensor,  # [T, D]
-    sin: torch.Tensor,
+    cos: list[torch.Tensor],  # per rotary table: [T, R] (engine/models/rotary.py)
+    sin: list[torch.Tensor],
     slots: torch.Tensor,  # [T]
     kv: torch.Tensor,  # [layers, 2, blocks, block_size, KV, D]
     block_tables: torch.Tensor,  # [T, W]: every row is one sequence's next token
@@ -275,6 +285,10 @@ def llama_decode_layers_(
     num_kv_heads: int,
     eps: float,
     windows: list[int],  # per layer, 0 = full attention
+    rope_tables: list[int],  # per layer: its table in cos/sin
+    out_norms: list[torch.Tensor],  # none, or per layer the attention's and the MLP's (Gemma)
+    scale: float,  # the attention scores' scale
+    activation: int,  # the MLP's gate: 0 SiLU, 1 GELU-tanh (engine/models/families.py)
 ) -> None:
     """Every decoder layer of a decode-only step: the fused forward's layers, op for op."""
     num_tokens, per = x.shape[0], TENSORS_PER_DECODE_LAYER
@@ -289,18 +303,24 @@ def llama_decode_layers_(
         key_cache, value_cache = kv[layer, 0], kv[layer, 1]
         slots_view = (-1, num_kv_heads, head_dim)
         qkv = _kind_linear(h, mats[0], ints[0])
+        table = rope_tables[layer]
         qk = rope_write_kv_(
-            qkv, cos, sin, slots, key_cache.view(slots_view), value_cache.view(slots_view),
-            num_heads, num_kv_heads, _present(t[2]), _present(t[3]), eps,
+            qkv, cos[table], sin[table], slots, key_cache.view(slots_view),
+            value_cache.view(slots_view), num_heads, num_kv_heads, _present(t[2]),
+            _present(t[3]), eps,
         )  # fmt: skip
         attn = x.new_empty(num_tokens, num_heads, head_dim)
         paged_decode_(
-            qk[:, :num_heads], key_cache, value_cache, block_tables, ctx_lens,
-            head_dim**-0.5, window, attn,
-        )  # fmt: skip
+            qk[:, :num_heads], key_cache, value_cache, block_tables, ctx_lens, scale, window, attn
+        )
         o = _kind_linear(attn.view(num_tokens, -1), mats[1], ints[1])
+        if out_norms:
+            o = rms_norm(o, out_norms[2 * layer], eps)
         h = add_rms_norm_(x, o, t[1], eps)
-        r = _kind_linear(silu_mul(_kind_linear(h, mats[2], ints[2])), mats[3], ints[3])
+        gate = (silu_mul, gelu_tanh_mul)[activation]
+        r = _kind_linear(gate(_kind_linear(h, mats[2], ints[2])), mats[3], ints[3])
+        if out_norms:
+            r = rms_norm(r, out_norms[2 * layer + 1], eps)
         if layer + 1 < len(windows):
             h = add_rms_norm_(x, r, tensors[(layer + 1) * per], eps)
         else:

@@ -1,4 +1,6 @@
-"""Jitney's own forward for the Llama family: Llama 2/3.x, SmolLM2, Qwen2, Qwen3, Mistral.
+"""Jitney's own forward for the Llama family: Llama 2/3.x, SmolLM2, Qwen2, Qwen3, Mistral, and
+the families that are its layer with a few switches (engine/models/families.py): Gemma 3 (text),
+Phi-3 / Phi-4-mini, SmolLM3.
 
 Written for the engine's packed step: every scheduled token of the batch is one row of a
 [T, hidden] activation, sequence after sequence, at explicit positions; attention writes and reads
@@ -22,101 +24,33 @@ parity tests compare the two on the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention.step_inputs import AttentionMetadata
 from engine.kernels.reference import DECODE_MAX_PARTS
 from engine.kv_cache import PagedKVCache
 from engine.layers.quantized import QuantizedLinear
+from engine.models.families import (
+    UnsupportedArchitectureError,
+    family_switches,
+    head_dim_of,
+    layer_windows,
+    unsupported_because,
+)
 from engine.models.llama_layer import (
     EAGER_STEPS,
     LlamaLayer,
     LlamaShape,
     compiled_steps,
+    norm_weight,
     rms_norm,
 )
+from engine.models.rotary import rotary_tables
 from engine.models.weight_sources import StateDictWeights, WeightSource
-
-# transformers model_type values this forward covers (each checked against its transformers
-# model in tests/engine/test_llama_forward.py).
-COVERED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# RoPE variants whose frequencies depend only on the config. "dynamic" and "longrope" rescale
-# them with the sequence length (not covered: auto falls back to transformers for those).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-class UnsupportedArchitectureError(ValueError):
-    """A model Jitney's own forward does not cover (`--model-impl jitney` refuses it)."""
-
-
-def unsupported_because(config: Any) -> str | None:
-    """Why Jitney's forward cannot run a model of this transformers config (None: it can)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in COVERED_MODEL_TYPES:
-        return f"architecture {model_type!r} is not covered (covered: {COVERED_MODEL_TYPES})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} is not covered (only silu)"
-    rope_type = _rope_parameters(config).get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"rope_type {rope_type!r} is not covered (covered: {STATIC_ROPE_TYPES})"
-    return None
-
-
-def _rope_parameters(config: Any) -> Mapping[str, Any]:
-    params = getattr(config, "rope_parameters", None) or {}
-    # Per layer type (e.g. {"full_attention": {...}}) in some configs; one set for all here.
-    if "rope_type" not in params and "rope_theta" not in params and params:
-        params = next(iter(params.values()))
-    return params
-
-
-def _windows(config: Any) -> tuple[int | None, ...]:
-    """Each layer's sliding window, as the family's transformers model applies it."""
-    num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:  # Qwen2/Qwen3: only "sliding_attention" layers slide
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if config.model_type == "mistral":  # every layer slides when the config sets a window
-        return (window,) * num_layers
-    return (None,) * num_layers
-
-
-class Rotary(nn.Module):
-    """Rotary position embeddings, computed as transformers computes them (position * inv_freq
-    in float32, both halves, times the attention factor), so the rotation is the reference's
-    bit for bit. cos/sin are made once per step for the step's positions and shared by every
-    layer: no table, so any context length costs the same."""
-
-    def __init__(self, config: Any):
-        super().__init__()
-        params = dict(_rope_parameters(config))
-        rope_type = params.get("rope_type", "default")
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
-        if rope_type == "default":
-            base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            factor = 1.0
-        else:
-            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.factor = float(factor)
-
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """(cos, sin), each [T, 1, head_dim], for positions [T]."""
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if self.factor != 1.0:
-            cos, sin = cos * self.factor, sin * self.factor
-        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 class LlamaForward(nn.Module):
@@ -124,35 +58,58 @@ class LlamaForward(nn.Module):
     logits of the metadata's rows out."""
 
     def __init__(
-        self, config: Any, weights: WeightSource, fused_ops: bool = False, compiled: bool = False
+        self,
+        config: Any,
+        weights: WeightSource,
+        fused_ops: bool = False,
+        compiled: bool = False,
+        max_model_len: int | None = None,
     ):
+        """`max_model_len`: the longest context the engine serves (None: the model's); it picks
+        LongRoPE's factors (engine/models/rotary.py)."""
         super().__init__()
         why = unsupported_because(config)
         if why is not None:
             raise UnsupportedArchitectureError(why)
         num_heads = config.num_attention_heads
         self.config = config
+        rotaries, rope_tables = rotary_tables(config, max_model_len)
+        switches = family_switches(config)
         self.shape = LlamaShape(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            head_dim=head_dim_of(config),
             rms_norm_eps=config.rms_norm_eps,
-            windows=_windows(config),
+            windows=layer_windows(config),
+            rope_tables=rope_tables,
+            switches=switches,
         )
         self.embed = weights.embedding("model.embed_tokens")
         self.layers = nn.ModuleList(
             LlamaLayer(self.shape, i, weights, f"model.layers.{i}.")
             for i in range(self.shape.num_layers)
         )
-        self.norm = nn.Parameter(weights.vector("model.norm.weight"), requires_grad=False)
+        norm = norm_weight(weights, "model.norm.weight", switches.norm_offset)
+        if norm is None:
+            raise ValueError("model.norm.weight is missing from the weights")
+        self.norm = norm
         # Tied embeddings (SmolLM2, Llama 3.2, Qwen3 small): the head multiplies by the table.
         tied = getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head.weight")
         self.lm_head = weights.linear(["model.embed_tokens" if tied else "lm_head"])
         # Built on the CPU like any new module: moved to where the weights are (a GPU's).
-        self.rotary = Rotary(config).to(self.norm.device)
+        self.rotaries = nn.ModuleList(r.to(self.norm.device) for r in rotaries)
         self.dtype = weights.dtype
+        # Gemma: embeddings times sqrt(hidden) in the model's dtype, as transformers rounds it
+        # (a float32 scalar, then cast).
+        scale = switches.embed_scale
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer(
+            "embed_scale",
+            None if scale is None else torch.tensor(scale).to(self.norm.device, self.dtype),
+            persistent=False,
+        )
         if fused_ops and self.dtype != torch.float32:
             raise ValueError(f"the jitney:: layer ops run in float32, not {self.dtype}")
         self.fused_ops = fused_ops
@@ -177,18 +134,28 @@ class LlamaForward(nn.Module):
         pos = (metadata.positions if positions is None else positions).reshape(-1)
         with torch.inference_mode():
             x = self.embed(input_ids.reshape(-1))
-            cos, sin = self.rotary.angles(pos, x.dtype)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+            angles = [rotary.angles(pos, x.dtype) for rotary in self.rotaries]
             if self.fused_ops:
-                x = self._layers_fused(x, cos.squeeze(1), sin.squeeze(1), metadata, kv_cache)
+                flat = [(cos.squeeze(1), sin.squeeze(1)) for cos, sin in angles]
+                x = self._layers_fused(x, flat, metadata, kv_cache)
             else:
                 for layer in self.layers:
-                    x = layer(x, cos, sin, metadata, kv_cache, self.steps)
+                    x = layer(x, *angles[layer.rope], metadata, kv_cache, self.steps)
             rows = metadata.logits_indices
             if hidden_rows is None:
-                return self.lm_head(rms_norm(x[rows], self.norm, self.shape.rms_norm_eps))
+                return self._logits(rms_norm(x[rows], self.norm, self.shape.rms_norm_eps))
             # One final norm over both sets of rows (row-wise: each row as it would be alone).
             x = rms_norm(x[torch.cat((rows, hidden_rows))], self.norm, self.shape.rms_norm_eps)
-            return self.lm_head(x[: rows.numel()]), x[rows.numel() :]
+            return self._logits(x[: rows.numel()]), x[rows.numel() :]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)
+        cap = self.shape.switches.final_softcap
+        if cap is not None:  # Gemma's final softcap, as transformers applies it
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def with_hidden(
         self,
@@ -207,8 +174,7 @@ class LlamaForward(nn.Module):
     def _layers_fused(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        angles: list[tuple[torch.Tensor, torch.Tensor]],  # per rotary table: cos, sin [T, width]
         meta: AttentionMetadata,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
@@ -220,14 +186,14 @@ class LlamaForward(nn.Module):
         eps = s.rms_norm_eps
         x = x.contiguous()
         if self._decode_layers is not None and _decode_only(meta, kv_cache, x.shape[0]):
-            tensors, matrices = self._decode_layers
+            tensors, matrices, out_norms = self._decode_layers
             group = meta.decodes[0]
             ops.llama_decode_layers_(
                 x,
                 tensors,
                 matrices,
-                cos,
-                sin,
+                [cos for cos, _ in angles],
+                [sin for _, sin in angles],
                 meta.slot_mapping,
                 kv_cache.pool,
                 group.blocks.view(-1, group.num_blocks),
@@ -236,10 +202,15 @@ class LlamaForward(nn.Module):
                 s.num_kv_heads,
                 eps,
                 [w or 0 for w in s.windows],
+                list(s.rope_tables),
+                out_norms,
+                s.switches.attention_scale,
+                s.switches.activation_kind,
             )
             return x
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
+            cos, sin = angles[layer.rope]
             h = ops.add_rms_norm_(
                 x, layer.attention_fused(h, cos, sin, meta, kv_cache), layer.post_norm, eps
             )
@@ -251,12 +222,14 @@ class LlamaForward(nn.Module):
         return x
 
     @classmethod
-    def from_transformers(cls, model: nn.Module, compiled: bool = False) -> LlamaForward:
+    def from_transformers(
+        cls, model: nn.Module, compiled: bool = False, max_model_len: int | None = None
+    ) -> LlamaForward:
         """The same weights as a loaded transformers model, in its dtype, held once: the fused
         projections are new tensors, and the transformers model's own Q/K/V and gate/up
         parameters become views of them (same values), so the reference still runs."""
         weights = StateDictWeights(dict(model.named_parameters()), share=True)
-        return cls(model.config, weights, compiled=compiled)
+        return cls(model.config, weights, compiled=compiled, max_model_len=max_model_len)
 
 
 def _decode_only(meta: AttentionMetadata, kv_cache: PagedKVCache, num_tokens: int) -> bool:
@@ -269,13 +242,16 @@ def _decode_only(meta: AttentionMetadata, kv_cache: PagedKVCache, num_tokens: in
 
 def _decode_layer_tensors(
     layers: Sequence[LlamaLayer],
-) -> tuple[list[torch.Tensor], list[int]] | None:
-    """llama_decode_layers_'s `tensors` and `matrices` (engine/kernels/reference.py says the
-    order), or None where some projection is not a quantized layer."""
+) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
+    """llama_decode_layers_'s `tensors`, `matrices` and `out_norms` (engine/kernels/reference.py
+    says the order), or None where some projection is not a quantized layer."""
     empty = torch.empty(0)
     tensors: list[torch.Tensor] = []
     matrices: list[int] = []
+    out_norms: list[torch.Tensor] = []
     for layer in layers:
+        if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+            out_norms += [layer.attn_out_norm, layer.mlp_out_norm]
         tensors += [layer.input_norm, layer.post_norm]
         tensors += [empty if n is None else n for n in (layer.q_norm, layer.k_norm)]
         for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -287,4 +263,4 @@ def _decode_layer_tensors(
             matrices += [len(parts), parts[0].batched_min_tokens]
             matrices += [p.code for p in parts] + [0] * unused
             matrices += [p.rows for p in parts] + [0] * unused
-    return tensors, matrices
+    return tensors, matrices, out_norms

@@ -4,7 +4,9 @@ the layer module holding its projections (engine/layers/) and norms.
 
 RMSNorm and the rotary embedding are computed as transformers computes them, so the plain path
 is the reference's rounding bit for bit; the fused path's per-layer steps (jitney:: ops) are
-LlamaLayer.attention_fused and mlp_fused.
+LlamaLayer.attention_fused and mlp_fused. What a family changes (Gemma's four norms and GeGLU,
+Phi's partial rotation, SmolLM3's layers without RoPE) is read from the shape's switches
+(engine/models/families.py) and the rotary table a layer is given (engine/models/rotary.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from engine.attention.paged_attention import attend, paged_attention_forward
 from engine.attention.step_inputs import AttentionMetadata
 from engine.kv_cache import PagedKVCache
+from engine.models.families import FamilySwitches
 from engine.models.weight_sources import WeightSource
 
 
@@ -35,6 +38,8 @@ class LlamaShape:
     head_dim: int
     rms_norm_eps: float
     windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+    rope_tables: tuple[int, ...]  # per layer: the rotary table it reads (engine/models/rotary.py)
+    switches: FamilySwitches
 
     @property
     def qkv_sizes(self) -> tuple[int, int, int]:
@@ -43,16 +48,33 @@ class LlamaShape:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] rotated by each token's angles: x cos + rotate_half(x) sin."""
-    half = x.shape[-1] // 2
+    """x [T, heads, d] rotated by each token's angles, x cos + rotate_half(x) sin, over the first
+    `cos.shape[-1]` elements of each head (all, Phi's partial share, or none); the rest kept."""
+    width = cos.shape[-1]
+    if width == 0:
+        return x
+    if width < x.shape[-1]:
+        return torch.cat((rotate(x[..., :width], cos, sin), x[..., width:]), dim=-1)
+    half = width // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: the statistics in float32, the weight applied in the input's dtype."""
+    """transformers' RMSNorm: the statistics in float32; a weight in the input's dtype applied
+    after the cast back (Llama's), a float32 weight (Gemma's 1 + w) before it. The same
+    arithmetic for a float32 model."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
+
+
+# The MLP's gate in plain torch (transformers' silu and gelu_pytorch_tanh).
+_GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +88,8 @@ class _AttentionSite:
 def attention_inputs(
     layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's input norm, QKV projection, (Qwen3) per-head norms and rotary embeddings:
-    Q, K [T, heads, d] rotated, V [T, kv heads, d]."""
+    """A layer's input norm, QKV projection, (Qwen3, Gemma) per-head norms and rotary
+    embeddings: Q, K [T, heads, d] rotated, V [T, kv heads, d]."""
     s = layer.shape
     num_tokens = x.shape[0]
     h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
@@ -82,11 +104,19 @@ def attention_inputs(
 
 
 def after_attention(layer: LlamaLayer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """A layer's output projection, residual add, post norm, SwiGLU MLP and residual add."""
-    x = x + layer.o(attn)
-    h = rms_norm(x, layer.post_norm, layer.shape.rms_norm_eps)
+    """A layer's output projection, (Gemma) its output's norm, residual add, the MLP's norm, the
+    gated MLP (SwiGLU or GeGLU), (Gemma) its output's norm and residual add."""
+    s = layer.shape
+    a = layer.o(attn)
+    if layer.attn_out_norm is not None:
+        a = rms_norm(a, layer.attn_out_norm, s.rms_norm_eps)
+    x = x + a
+    h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
     gate, up = layer.gate_up(h).chunk(2, dim=-1)
-    return x + layer.down(F.silu(gate) * up)
+    m = layer.down(_GATES[s.switches.activation](gate) * up)
+    if layer.mlp_out_norm is not None:
+        m = rms_norm(m, layer.mlp_out_norm, s.rms_norm_eps)
+    return x + m
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,29 +144,57 @@ def compiled_steps() -> LayerSteps:
     )
 
 
+def norm_weight(weights: WeightSource, name: str, offset: float) -> nn.Parameter | None:
+    """A norm's weight (None where the source has none); with Gemma's offset, 1 + w computed
+    once in float32, the value transformers computes on every call."""
+    w = weights.optional_vector(name)
+    if w is None:
+        return None
+    return nn.Parameter(offset + w.float() if offset else w, requires_grad=False)
+
+
+def _fused_or_parts(weights: WeightSource, fused: str, parts: list[str]) -> list[str]:
+    """One projection's matrices: a stored fused one (Phi-3's qkv_proj and gate_up_proj), else
+    its parts, which the source concatenates."""
+    return [fused] if weights.has(f"{fused}.weight") else parts
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, shape: LlamaShape, index: int, weights: WeightSource, prefix: str):
         super().__init__()
         self.shape = shape
         self.site = _AttentionSite(index, shape.windows[index])
+        self.rope = shape.rope_tables[index]
         attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
-        self.qkv = weights.linear([f"{attn}{p}_proj" for p in "qkv"])
+        qkv = _fused_or_parts(weights, f"{attn}qkv_proj", [f"{attn}{p}_proj" for p in "qkv"])
+        self.qkv = weights.linear(qkv)
         self.o = weights.linear([f"{attn}o_proj"])
-        self.gate_up = weights.linear([f"{mlp}gate_proj", f"{mlp}up_proj"])
-        self.down = weights.linear([f"{mlp}down_proj"])
-        self.input_norm = nn.Parameter(weights.vector(f"{prefix}input_layernorm.weight"), False)
-        self.post_norm = nn.Parameter(
-            weights.vector(f"{prefix}post_attention_layernorm.weight"), False
+        gate_up = _fused_or_parts(
+            weights, f"{mlp}gate_up_proj", [f"{mlp}{p}_proj" for p in ("gate", "up")]
         )
-        # Qwen3: an RMSNorm over each head of Q and K.
-        q_norm, k_norm = (weights.optional_vector(f"{attn}{p}_norm.weight") for p in "qk")
-        self.q_norm = None if q_norm is None else nn.Parameter(q_norm, False)
-        self.k_norm = None if k_norm is None else nn.Parameter(k_norm, False)
+        self.gate_up = weights.linear(gate_up)
+        self.down = weights.linear([f"{mlp}down_proj"])
+        switches = shape.switches
+
+        def norm(name: str) -> nn.Parameter | None:
+            return norm_weight(weights, f"{prefix}{name}.weight", switches.norm_offset)
+
+        # post_norm is the MLP's input norm (Llama names it post_attention_layernorm); Gemma also
+        # norms the attention's and the MLP's outputs.
+        gemma = switches.output_norms
+        self.input_norm = _required(norm("input_layernorm"), prefix)
+        self.post_norm = _required(
+            norm("pre_feedforward_layernorm" if gemma else "post_attention_layernorm"), prefix
+        )
+        self.attn_out_norm = norm("post_attention_layernorm") if gemma else None
+        self.mlp_out_norm = norm("post_feedforward_layernorm") if gemma else None
+        # Qwen3, Gemma 3: an RMSNorm over each head of Q and K.
+        self.q_norm, self.k_norm = (norm(f"self_attn.{p}_norm") for p in "qk")
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden], updated in place
-        cos: torch.Tensor,  # [T, 1, head_dim]
+        cos: torch.Tensor,  # [T, 1, rotated width] (engine/models/rotary.py)
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: PagedKVCache,
@@ -154,7 +212,7 @@ class LlamaLayer(nn.Module):
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
             None,
-            s.head_dim**-0.5,
+            s.switches.attention_scale,
             attn_metadata=meta,
             kv_cache=kv_cache,
             sliding_window=self.site.sliding_window,
@@ -164,7 +222,7 @@ class LlamaLayer(nn.Module):
     def attention_fused(
         self,
         h: torch.Tensor,  # [T, hidden], the normed residual
-        cos: torch.Tensor,  # [T, head_dim]
+        cos: torch.Tensor,  # [T, rotated width] (engine/models/rotary.py)
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: PagedKVCache,
@@ -194,10 +252,25 @@ class LlamaLayer(nn.Module):
             qk[:, : s.num_heads],
             qk[:, s.num_heads :],
             v,
-            s.head_dim**-0.5,
+            s.switches.attention_scale,
             self.site.sliding_window,
         )
-        return self.o(out.view(num_tokens, s.num_heads * s.head_dim))
+        o = self.o(out.view(num_tokens, s.num_heads * s.head_dim))
+        if self.attn_out_norm is not None:
+            o = torch.ops.jitney.rms_norm(o, self.attn_out_norm, s.rms_norm_eps)
+        return o
 
     def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.ops.jitney.silu_mul(self.gate_up(h)))
+        s, ops = self.shape, torch.ops.jitney
+        gu = self.gate_up(h)
+        act = ops.silu_mul(gu) if s.switches.activation == "silu" else ops.gelu_tanh_mul(gu)
+        m = self.down(act)
+        if self.mlp_out_norm is not None:
+            m = ops.rms_norm(m, self.mlp_out_norm, s.rms_norm_eps)
+        return m
+
+
+def _required(weight: nn.Parameter | None, prefix: str) -> nn.Parameter:
+    if weight is None:
+        raise ValueError(f"{prefix}: a norm the family needs is missing from the weights")
+    return weight

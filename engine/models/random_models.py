@@ -20,16 +20,23 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
+from engine.models.families import family_switches
 from engine.models.tiny_model import (
     CHATML_TEMPLATE,
     TINY_SEED,
@@ -89,6 +96,38 @@ _QWEN3_TOKENS = SpecialTokens(
     eos="<|im_end|>",
     pad="<|endoftext|>",
 )
+
+# Gemma 3's own specials (<pad> 0, <eos> 1, <bos> 2, <start_of_turn> 105, <end_of_turn> 106)
+# fall on the byte ids, so its markers take the last ids of the vocabulary instead.
+_GEMMA3_TOKENS = SpecialTokens(
+    ids={"<bos>": 262140, "<eos>": 262141, "<|im_start|>": 262142, "<|im_end|>": 262143},
+    bos="<bos>",
+    eos="<|im_end|>",
+    pad="<eos>",
+)
+# Phi-4-mini: its end-of-turn <|end|> (200020) ends a ChatML turn; <|user|> (200021) opens one.
+_PHI4_TOKENS = SpecialTokens(
+    ids={"<|endoftext|>": 199999, "<|im_end|>": 200020, "<|im_start|>": 200021},
+    bos=None,
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+)
+# SmolLM3 uses ChatML itself, at these ids (the Llama 3 vocabulary's reserved ones).
+_SMOLLM3_TOKENS = SpecialTokens(
+    ids={"<|end_of_text|>": 128001, "<|im_start|>": 128011, "<|im_end|>": 128012},
+    bos=None,
+    eos="<|im_end|>",
+    pad="<|end_of_text|>",
+)
+# microsoft/Phi-4-mini-instruct's LongRoPE factors (one per rotated pair: 96 of 128 dimensions).
+PHI4_MINI_LONG_FACTOR = [
+    1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817,
+    2.187582649, 2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023,
+    4.785517845, 5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372,
+    10.4687158, 11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807,
+    22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66,
+    32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77,
+]  # fmt: skip
 
 _LLAMA3_COMMON = {
     "vocab_size": 128256,
@@ -169,6 +208,91 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
         },
         _QWEN3_TOKENS,
         8.19e9,
+    ),
+    # Five sliding layers (window 512, RoPE base 10k) to one global (base 1M); layer_types
+    # follows from the config's pattern, so a shrunk model keeps it.
+    "gemma3-270m": RandomModelSpec(
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "vocab_size": 262144,
+            "hidden_size": 640,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "initializer_range": 0.02,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 512,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+        },
+        _GEMMA3_TOKENS,
+        2.68e8,
+    ),
+    # Q/K/V and gate/up stored fused; 96 of each head's 128 dimensions rotated, by LongRoPE.
+    "phi-4-mini": RandomModelSpec(
+        Phi3Config,
+        Phi3ForCausalLM,
+        {
+            "vocab_size": 200064,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "hidden_act": "silu",
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "initializer_range": 0.02,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "long_factor": PHI4_MINI_LONG_FACTOR,
+                "short_factor": [1.0] * 48,
+            },
+            "sliding_window": 262144,
+            "tie_word_embeddings": True,
+        },
+        _PHI4_TOKENS,
+        3.84e9,
+    ),
+    # Every fourth layer without RoPE (no_rope_layers follows from the interval).
+    "smollm3-3b": RandomModelSpec(
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+        {
+            "vocab_size": 128256,
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "hidden_act": "silu",
+            "max_position_embeddings": 65536,
+            "rms_norm_eps": 1e-6,
+            "initializer_range": 0.02,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},
+            "no_rope_layer_interval": 4,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+        },
+        _SMOLLM3_TOKENS,
+        3.08e9,
     ),
 }
 RANDOM_MODEL_NAMES = (TINY, *RANDOM_MODELS)
@@ -251,6 +375,7 @@ def init_random_model(
     model.tie_weights()  # to_empty gives each module its own tensor, untying shared ones
     _fill_parameters(model, device, seed)
     _rebuild_rotary_embeddings(model, device)
+    _restore_embedding_scale(model)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -266,8 +391,8 @@ def build_random_model(
     seed: int = DEFAULT_SEED,
     **overrides: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Model and tokenizer of `name` ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b" or "tiny"),
-    what load_model("random:<name>") serves. `overrides` change config fields (see
+    """Model and tokenizer of `name` (a RANDOM_MODELS name or "tiny"), what
+    load_model("random:<name>") serves. `overrides` change config fields (see
     random_model_config); "tiny" is the fixed tiny-random model and takes none."""
     if name == TINY:
         if overrides or seed != TINY_SEED:
@@ -298,10 +423,13 @@ def _fill_parameters(model: PreTrainedModel, device: torch.device, seed: int) ->
     # uniform_ with the config's std rather than normal_: same scale, twice as fast on CPU.
     generator = torch.Generator(device).manual_seed(seed)
     bound = model.config.initializer_range * math.sqrt(3)
+    # Norms start as the identity, as in real initialization: 1, or 0 where the norm multiplies
+    # by (1 + w) (Gemma).
+    identity = 1.0 - family_switches(model.config).norm_offset
     for name, param in model.named_parameters():  # deterministic order, tied weights once
         owner = model.get_submodule(name.rpartition(".")[0])
         if "RMSNorm" in type(owner).__name__:
-            param.fill_(1.0)  # norms start as the identity, as in real initialization
+            param.fill_(identity)
         elif name.endswith("bias"):
             param.zero_()
         else:
@@ -312,8 +440,17 @@ def _rebuild_rotary_embeddings(model: PreTrainedModel, device: torch.device) -> 
     # inv_freq is a buffer, not a parameter: to_empty left it uninitialized. Building the module
     # afresh on the device computes it (and the RoPE scaling) exactly as a normal load does.
     for name, module in list(model.named_modules()):
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        if type(module).__name__.endswith("RotaryEmbedding"):  # (Gemma 3's: one per layer type)
             parent_name, _, child = name.rpartition(".")
             with torch.device(device):
                 fresh = type(module)(model.config)
             setattr(model.get_submodule(parent_name), child, fresh)
+
+
+@torch.no_grad()
+def _restore_embedding_scale(model: PreTrainedModel) -> None:
+    # Gemma's scaled embedding keeps sqrt(hidden) in a buffer that to_empty left uninitialized:
+    # the float32 value transformers makes of it, in the model's dtype.
+    for module in model.modules():
+        if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+            module.embed_scale.copy_(torch.tensor(module.scalar_embed_scale))

@@ -20,6 +20,7 @@ from engine.models.forward import ModelForward, TransformersForward
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
 from engine.models.model_loader import LoadedModel
+from engine.models.rotary import longrope_uses_long_factors
 from engine.models.weight_sources import GGUFWeights, Int8Weights, StateDictWeights
 from engine.runner.decode_graphs import DecodeGraphs, GraphCapture, width_bucket
 from engine.runner.input_batch import InputBatch
@@ -41,7 +42,11 @@ QUANTIZED_FORWARDS = ("jitney-gguf", "jitney-int8")
 
 
 def resolve_forward(
-    loaded: LoadedModel, impl: str = "auto", quantization: str = "auto", compiled: bool = False
+    loaded: LoadedModel,
+    impl: str = "auto",
+    quantization: str = "auto",
+    compiled: bool = False,
+    max_model_len: int | None = None,
 ) -> tuple[str, ModelForward]:
     """The forward every step (and the start-up memory profile's dummy step) runs (`impl`,
     `--model-impl`): "jitney", Jitney's own for the Llama family (engine/models/llama.py);
@@ -50,9 +55,11 @@ def resolve_forward(
     file's own blocks (CPU, float32); "int8": on Q8_0 blocks made from the dense weights at
     load (any covered model, CPU, float32); "auto": resolve_quantization's choice. `compiled`
     (`--compile`): Jitney's dense forward with its layers' halves compiled by torch.compile.
-    Returns the forward and its name ("jitney-gguf", "jitney-none", "transformers", ...). Built
-    once per loaded model and kept on it, so engines sharing a loaded model share its forward
-    (and Jitney's dense one shares the transformers model's weights)."""
+    `max_model_len` (`--max-model-len`; None: the model's) picks a LongRoPE model's factors
+    (engine/models/rotary.py). Returns the forward and its name ("jitney-gguf", "jitney-none",
+    "transformers", ...). Built once per loaded model (and LongRoPE choice) and kept on it, so
+    engines sharing a loaded model share its forward (and Jitney's dense one shares the
+    transformers model's weights)."""
     model = loaded.model
     why_not = (
         unsupported_because(model.config)
@@ -71,17 +78,20 @@ def resolve_forward(
         )
     name = f"jitney-{quantization}" if use_jitney else "transformers"
     name += "-compiled" if compiled else ""
+    key = name
+    if use_jitney and (long := longrope_uses_long_factors(model.config, max_model_len)) is not None:
+        key += "-longrope-long" if long else "-longrope-short"
     forwards: dict[str, ModelForward] = model.__dict__.setdefault("_jitney_forwards", {})
-    if name not in forwards:
+    if key not in forwards:
         if not use_jitney:
-            forwards[name] = TransformersForward(model)
+            forwards[key] = TransformersForward(model)
         elif quantization == "gguf":
-            forwards[name] = _gguf_forward(loaded)
+            forwards[key] = _gguf_forward(loaded, max_model_len)
         elif quantization == "int8":
-            forwards[name] = _int8_forward(loaded)
+            forwards[key] = _int8_forward(loaded, max_model_len)
         else:
-            forwards[name] = LlamaForward.from_transformers(model, compiled)
-    return name, forwards[name]
+            forwards[key] = LlamaForward.from_transformers(model, compiled, max_model_len)
+    return name, forwards[key]
 
 
 def resolve_quantization(loaded: LoadedModel, impl: str, why_not: str | None) -> str:
@@ -97,7 +107,7 @@ def resolve_quantization(loaded: LoadedModel, impl: str, why_not: str | None) ->
     return "gguf"
 
 
-def _gguf_forward(loaded: LoadedModel) -> LlamaForward:
+def _gguf_forward(loaded: LoadedModel, max_model_len: int | None) -> LlamaForward:
     """Jitney's forward on the blocks of the GGUF file `loaded` was converted from."""
     model = loaded.model
     if loaded.gguf_path is None:
@@ -105,7 +115,7 @@ def _gguf_forward(loaded: LoadedModel) -> LlamaForward:
     _require_cpu_float32(model, "gguf")
     _, tensors = read_gguf_tensors(loaded.gguf_path)
     weights = GGUFWeights(tensors, torch.float32, quantized=True)
-    forward = LlamaForward(model.config, weights, fused_ops=True)
+    forward = LlamaForward(model.config, weights, fused_ops=True, max_model_len=max_model_len)
     log_dense_fallbacks(weights.dense_fallbacks)
     return forward
 
@@ -126,12 +136,13 @@ def log_dense_fallbacks(fallbacks: Mapping[str, str]) -> None:
     )
 
 
-def _int8_forward(loaded: LoadedModel) -> LlamaForward:
+def _int8_forward(loaded: LoadedModel, max_model_len: int | None) -> LlamaForward:
     """Jitney's forward on int8 blocks made from the loaded model's own dense weights."""
     model = loaded.model
     _require_cpu_float32(model, "int8")
     dense = StateDictWeights(dict(model.named_parameters()))
-    return LlamaForward(model.config, Int8Weights(dense), fused_ops=True)
+    weights = Int8Weights(dense)
+    return LlamaForward(model.config, weights, fused_ops=True, max_model_len=max_model_len)
 
 
 def _require_cpu_float32(model: PreTrainedModel, quantization: str) -> None:

@@ -43,19 +43,26 @@ def test_norms_match_their_definition(width):
 
 
 @native_only
-def test_silu_mul_matches_its_definition():
+@pytest.mark.parametrize("gate", ["silu_mul", "gelu_tanh_mul"])  # SwiGLU; Gemma's GeGLU
+def test_gated_activations_match_their_definition(gate):
     gu = torch.randn(7, 2 * 1539, generator=_gen()) * 4  # 1539: a remainder past the vectors
     gu[0, :6] = torch.tensor([-200.0, -88.5, -87.5, 0.0, 88.5, 200.0])  # exp's clamps
-    torch.testing.assert_close(ops.silu_mul(gu), reference.silu_mul(gu))
+    gu[0, 1539 : 1539 + 6] = 1.0
+    torch.testing.assert_close(getattr(ops, gate)(gu), getattr(reference, gate)(gu))
 
 
 @native_only
-@pytest.mark.parametrize("qk_norms", [False, True])  # Llama; Qwen3's per-head norms
-def test_rope_write_kv_matches_its_definition(qk_norms):
+@pytest.mark.parametrize(
+    ("qk_norms", "width"),
+    # Llama; Qwen3's and Gemma's per-head norms; Phi's partial rotation; SmolLM3's layers
+    # without RoPE.
+    [(False, 64), (True, 64), (False, 48), (True, 0)],
+)
+def test_rope_write_kv_matches_its_definition(qk_norms, width):
     g = _gen(1)
     heads, kv_heads, d, tokens, num_slots = 9, 3, 64, 6, 40
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
-    angles = torch.rand(tokens, d // 2, generator=g) * 50
+    angles = torch.rand(tokens, width // 2, generator=g) * 50
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     slots = torch.randperm(num_slots, generator=g)[:tokens]
     norms = [torch.randn(d, generator=g) for _ in range(2)] if qk_norms else [None, None]
@@ -66,7 +73,12 @@ def test_rope_write_kv_matches_its_definition(qk_norms):
         caches[name] = (out, k_cache, v_cache)
     for got, want in zip(caches["native"], caches["reference"], strict=True):
         torch.testing.assert_close(got, want)
-    _, k_cache, v_cache = caches["native"]
+    qk, k_cache, v_cache = caches["native"]
+    unrotated = ops.rope_write_kv_(  # the part past the rotated width is kept as it is
+        qkv, cos[:, :0], sin[:, :0], slots, k_cache.clone(), v_cache.clone(), heads, kv_heads,
+        *norms, 1e-6,
+    )  # fmt: skip
+    torch.testing.assert_close(qk[..., width:], unrotated[..., width:], rtol=0, atol=0)
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()

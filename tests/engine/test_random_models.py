@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import random
-from functools import partial
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from engine.attention import paged_attention
 from engine.models import random_models
 from engine.models.model_loader import LoadedModel, load_model
 from engine.models.random_models import (
+    PHI4_MINI_LONG_FACTOR,
     RANDOM_MODELS,
     build_random_model,
     build_random_tokenizer,
@@ -29,6 +29,8 @@ from tests.engine.engine_helpers import assert_greedy_parity, make_engine, refer
 from tests.engine.graph_emulator import EmulatedGraphCapture, kernel_as_op
 
 FAMILIES = ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"]
+# The families that are the Llama layer with switches (engine/models/families.py).
+SWITCHED = ["gemma3-270m", "phi-4-mini", "smollm3-3b"]
 # Two layers of GQA (4 query heads, 2 KV heads) in 64 dimensions; the vocabulary stays real.
 SMALL = dict(
     hidden_size=64,
@@ -38,13 +40,41 @@ SMALL = dict(
     num_key_value_heads=2,
     head_dim=16,
 )
+# What the switched families' two layers keep of their pattern: Gemma a sliding layer (window
+# 8) and a global one; Phi LongRoPE over 12 of 16 dimensions, six of the real factors; SmolLM3
+# a layer without RoPE. (Phi's and SmolLM3's head size is hidden / heads: 16 too.)
+_SMALL_NO_HEAD_DIM = {k: v for k, v in SMALL.items() if k != "head_dim"}
+SMALL_OF = {
+    "gemma3-270m": {
+        **SMALL,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+    },
+    "phi-4-mini": {
+        **_SMALL_NO_HEAD_DIM,
+        "rope_parameters": {
+            **RANDOM_MODELS["phi-4-mini"].published["rope_parameters"],
+            "long_factor": PHI4_MINI_LONG_FACTOR[::8],
+            "short_factor": [1.0] * 6,
+        },
+    },
+    "smollm3-3b": {**_SMALL_NO_HEAD_DIM, "no_rope_layers": [1, 0]},
+}
+
+
+def small(name: str) -> dict:
+    return SMALL_OF.get(name, SMALL)
 
 
 def load_small(name: str) -> LoadedModel:
     """load_model("random:<name>") itself, with the family's config shrunk to SMALL."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(random_models, "random_model_config", partial(random_model_config, **SMALL))
+        patch.setattr(random_models, "random_model_config", _shrunk_config)
         return load_model(f"random:{name}")
+
+
+def _shrunk_config(name: str, **overrides: object):
+    return random_model_config(name, **{**small(name), **overrides})
 
 
 def greedy(n: int) -> SamplingParams:
@@ -76,7 +106,14 @@ def expected_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("name", "published", "tied"),
-    [("llama-3.2-1b", 1.24e9, True), ("llama-3.1-8b", 8.03e9, False), ("qwen3-8b", 8.19e9, False)],
+    [
+        ("llama-3.2-1b", 1.24e9, True),
+        ("llama-3.1-8b", 8.03e9, False),
+        ("qwen3-8b", 8.19e9, False),
+        ("gemma3-270m", 2.68e8, True),
+        ("phi-4-mini", 3.84e9, True),
+        ("smollm3-3b", 3.08e9, True),
+    ],
 )
 def test_full_size_parameter_count_matches_the_published_size(name, published, tied):
     """The full config, counted on the meta device, is the published model within 1%."""
@@ -85,7 +122,7 @@ def test_full_size_parameter_count_matches_the_published_size(name, published, t
     assert count_parameters(config) == pytest.approx(published, rel=0.01)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + SWITCHED)
 def test_load_model_fills_loaded_model_like_a_real_checkpoint(name):
     """Eval mode, float32 on CPU, the shrunk shape, the real context length and vocabulary,
     ChatML end-of-turn plus end-of-text as stop ids, and finite logits."""
@@ -109,18 +146,20 @@ def test_load_model_fills_loaded_model_like_a_real_checkpoint(name):
     assert logits_of(model, [5, 6, 7, 8]).isfinite().all()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + SWITCHED)
 def test_weights_are_seeded(name):
-    """The same seed gives the same weights; another seed changes every matrix; norms are 1."""
-    first = build_random_model(name, seed=7, **SMALL)[0].state_dict()
-    again = build_random_model(name, seed=7, **SMALL)[0].state_dict()
-    other = build_random_model(name, seed=8, **SMALL)[0].state_dict()
+    """The same seed gives the same weights; another seed changes every matrix; norms are the
+    identity (1; Gemma's, which multiply by 1 + w, 0)."""
+    first = build_random_model(name, seed=7, **small(name))[0].state_dict()
+    again = build_random_model(name, seed=7, **small(name))[0].state_dict()
+    other = build_random_model(name, seed=8, **small(name))[0].state_dict()
+    identity = 0.0 if name.startswith("gemma") else 1.0
 
     assert first.keys() == again.keys() == other.keys()
     for key, weight in first.items():
         assert torch.equal(weight, again[key]), key
         if "norm" in key:
-            assert torch.equal(weight, torch.ones_like(weight)), key
+            assert torch.equal(weight, torch.full_like(weight, identity)), key
         else:
             assert not torch.equal(weight, other[key]), key
             assert 0.01 < weight.std() < 0.03, key  # the config's initializer_range, 0.02
@@ -153,13 +192,17 @@ def test_bfloat16_build_keeps_rope_in_float32():
     assert logits_of(model, [1, 2, 3]).isfinite().all()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + SWITCHED)
 def test_engine_greedy_matches_transformers_generate(name):
-    """The paged engine on each family (Qwen3 with its q/k norms) gives generate()'s greedy
-    tokens, or leaves them only at a near-tie."""
+    """The paged engine on each family (Qwen3 with its q/k norms; Gemma, Phi and SmolLM3 on
+    Jitney's forward with their switches) gives generate()'s greedy tokens, or leaves them only
+    at a near-tie. Phi-4-mini served within its original 4,096 positions takes LongRoPE's short
+    factors, those transformers uses for a call that short."""
     loaded = load_small(name)
     ref = load_small(name)  # a second copy, left on transformers' own attention
-    engine = make_engine(loaded, kv_cache_memory="16MiB")
+    within = {"max_model_len": 4096} if name == "phi-4-mini" else {}
+    engine = make_engine(loaded, kv_cache_memory="16MiB", **within)
+    assert engine.startup.forward_name == "jitney-none"
     chat = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,

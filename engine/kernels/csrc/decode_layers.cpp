@@ -14,6 +14,10 @@
 // matrices: per layer and matrix, (parts, batched_min_tokens, kind of each part slot, rows of
 //   each part slot), kMaxParts slots each, unused ones 0
 // kv: the whole pool, [layers, 2 (K, V), blocks, block_size, KV, D]; windows: per layer, 0 = none
+// What a family switches (engine/models/families.py): cos/sin, one [T, R] pair per rotary table,
+// rope_tables naming each layer's (R: the rotated width, 0 for a layer without RoPE);
+// out_norms, none or per layer the norms of the attention's and the MLP's outputs (Gemma);
+// scale, the attention scores'; activation, the MLP's gate (0 SiLU, 1 GELU-tanh).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -49,10 +53,11 @@ std::optional<at::Tensor> present(const at::Tensor& t) {
 }
 
 void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef matrices,
-                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                          at::TensorList cos, at::TensorList sin, const at::Tensor& slots,
                           at::Tensor& kv, const at::Tensor& block_tables, const at::Tensor& ctx_lens,
                           int64_t num_heads, int64_t num_kv_heads, double eps,
-                          at::IntArrayRef windows) {
+                          at::IntArrayRef windows, at::IntArrayRef rope_tables,
+                          at::TensorList out_norms, double scale, int64_t activation) {
   const char* op = "llama_decode_layers_";
   const int64_t L = static_cast<int64_t>(windows.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == L * kTensorsPerLayer, op, ": ",
@@ -67,9 +72,17 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2, op, ": x must be contiguous [T, hidden]");
   TORCH_CHECK(kv.dim() == 6 && kv.size(0) == L && kv.size(1) == 2 && kv.is_contiguous(), op,
               ": kv must be the contiguous pool [", L, ", 2, blocks, block_size, KV, D]");
+  TORCH_CHECK(cos.size() == sin.size() && static_cast<int64_t>(rope_tables.size()) == L, op,
+              ": one cos and sin per rotary table, and a table per layer");
+  for (const int64_t r : rope_tables) {
+    TORCH_CHECK(r >= 0 && r < static_cast<int64_t>(cos.size()), op, ": no rotary table ", r);
+  }
+  TORCH_CHECK(out_norms.empty() || static_cast<int64_t>(out_norms.size()) == 2 * L, op,
+              ": out_norms must be empty or two per layer, got ", out_norms.size());
+  TORCH_CHECK(activation == 0 || activation == 1, op, ": activation ", activation,
+              " is neither 0 (SiLU) nor 1 (GELU-tanh)");
   const int64_t T = x.size(0), H = num_heads, D = kv.size(5);
   const int64_t num_slots = kv.size(2) * kv.size(3);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor h = rms_norm(x, tensors[0], eps);
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* t = tensors.data() + l * kTensorsPerLayer;
@@ -79,15 +92,20 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
     at::Tensor key_slots = key_cache.view({num_slots, num_kv_heads, D});
     at::Tensor value_slots = value_cache.view({num_slots, num_kv_heads, D});
     const at::Tensor qkv = linear(h, w, m);
-    const at::Tensor qk = rope_write_kv_(qkv, cos, sin, slots, key_slots, value_slots, H,
-                                         num_kv_heads, present(t[2]), present(t[3]), eps);
+    const int64_t table = rope_tables[l];
+    const at::Tensor qk = rope_write_kv_(qkv, cos[table], sin[table], slots, key_slots,
+                                         value_slots, H, num_kv_heads, present(t[2]),
+                                         present(t[3]), eps);
     at::Tensor attn = at::empty({T, H, D}, x.options());
     paged_decode_(qk.narrow(1, 0, H), key_cache, value_cache, block_tables, ctx_lens, scale,
                   windows[l], attn);
-    h = add_rms_norm_(x, linear(attn.view({T, H * D}), w + kTensorsPerMatrix, m + kIntsPerMatrix),
-                      t[1], eps);
-    const at::Tensor act = silu_mul(linear(h, w + 2 * kTensorsPerMatrix, m + 2 * kIntsPerMatrix));
-    const at::Tensor r = linear(act, w + 3 * kTensorsPerMatrix, m + 3 * kIntsPerMatrix);
+    at::Tensor o = linear(attn.view({T, H * D}), w + kTensorsPerMatrix, m + kIntsPerMatrix);
+    if (!out_norms.empty()) o = rms_norm(o, out_norms[2 * l], eps);
+    h = add_rms_norm_(x, o, t[1], eps);
+    const at::Tensor gu = linear(h, w + 2 * kTensorsPerMatrix, m + 2 * kIntsPerMatrix);
+    const at::Tensor act = activation == 0 ? silu_mul(gu) : gelu_tanh_mul(gu);
+    at::Tensor r = linear(act, w + 3 * kTensorsPerMatrix, m + 3 * kIntsPerMatrix);
+    if (!out_norms.empty()) r = rms_norm(r, out_norms[2 * l + 1], eps);
     if (l + 1 < L) {
       h = add_rms_norm_(x, r, tensors[(l + 1) * kTensorsPerLayer], eps);
     } else {

@@ -7,8 +7,10 @@
 //   rms_norm(x, w, eps)                y = w * x / rms(x), rows of x [T, K]
 //   add_rms_norm_(x, r, w, eps)        x += r in place, then y = rms_norm(x)
 //   silu_mul(gu)                       gu [T, 2F] -> silu(gu[:, :F]) * gu[:, F:]
-//   rope_write_kv_(qkv, cos, sin, ...) Q and K rotated (after Qwen3's per-head norms), K and V
-//                                      written to their cache slots; returns [T, H + KV, D]
+//   gelu_tanh_mul(gu)                  gu [T, 2F] -> gelu_tanh(gu[:, :F]) * gu[:, F:] (GeGLU)
+//   rope_write_kv_(qkv, cos, sin, ...) Q and K rotated (after Qwen3's and Gemma's per-head
+//                                      norms) over cos's width, K and V written to their cache
+//                                      slots; returns [T, H + KV, D]
 //   paged_decode_(q, kc, vc, ...)      one query token per sequence attending its own keys where
 //                                      they lie in the paged pool (no gather, no mask)
 
@@ -108,16 +110,22 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& r, const at::Tensor& w
   return y;
 }
 
-// silu(g) * u = g / (1 + exp(-g)) * u, eight at a time through exp8.
-at::Tensor silu_mul(const at::Tensor& gu) {
+// Both gates are g / (1 + exp(-z)) * u: SiLU with z = g, GELU-tanh with z = 2 sqrt(2/pi) (g +
+// 0.044715 g^3) (0.5 (1 + tanh(z/2)) is the sigmoid of z). Eight at a time through exp8.
+constexpr float kGeluZ1 = 1.5957691216057308f;   // 2 sqrt(2 / pi)
+constexpr float kGeluZ3 = 0.0713548162726009f;   // 2 sqrt(2 / pi) 0.044715
+
+template <bool kGelu>
+at::Tensor gated_mul(const char* op, const at::Tensor& gu) {
   TORCH_CHECK(gu.device().is_cpu() && gu.scalar_type() == at::kFloat && gu.dim() == 2 &&
                   gu.size(1) % 2 == 0 && gu.stride(1) == 1,
-              "silu_mul: gu must be float32 [T, 2F] with contiguous rows, got ", gu.sizes());
+              op, ": gu must be float32 [T, 2F] with contiguous rows, got ", gu.sizes());
   const int64_t T = gu.size(0), F = gu.size(1) / 2;
   at::Tensor y = at::empty({T, F}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  const __m256 z1 = _mm256_set1_ps(kGeluZ1), z3 = _mm256_set1_ps(kGeluZ3);
   at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(F, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* g = gp + t * gu.stride(0);
@@ -126,20 +134,30 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       int64_t f = 0;
       for (; f + 8 <= F; f += 8) {
         const __m256 gv = _mm256_loadu_ps(g + f);
-        const __m256 e = exp8(_mm256_sub_ps(zero, gv));
+        __m256 z = gv;
+        if constexpr (kGelu) z = _mm256_mul_ps(gv, _mm256_fmadd_ps(_mm256_mul_ps(gv, gv), z3, z1));
+        const __m256 e = exp8(_mm256_sub_ps(zero, z));
         const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
         _mm256_storeu_ps(out + f, _mm256_mul_ps(s, _mm256_loadu_ps(u + f)));
       }
-      for (; f < F; ++f) out[f] = g[f] / (1.0f + std::exp(-g[f])) * u[f];
+      for (; f < F; ++f) {
+        const float z = kGelu ? g[f] * (kGeluZ1 + kGeluZ3 * g[f] * g[f]) : g[f];
+        out[f] = g[f] / (1.0f + std::exp(-z)) * u[f];
+      }
     }
   });
   return y;
 }
 
-// x [D] rotated in place: x[i] cos[i] - x[i + D/2] sin[i] for the first half, x[i + D/2] cos +
-// x[i] sin for the second (transformers' rotate_half convention; cos/sin hold both halves).
-static inline void rotate_head(float* x, const float* cos, const float* sin, int64_t D) {
-  const int64_t half = D / 2;
+at::Tensor silu_mul(const at::Tensor& gu) { return gated_mul<false>("silu_mul", gu); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return gated_mul<true>("gelu_tanh_mul", gu); }
+
+// x's first R elements rotated in place: x[i] cos[i] - x[i + R/2] sin[i] for the first half,
+// x[i + R/2] cos + x[i] sin for the second (transformers' rotate_half convention; cos/sin hold
+// both halves); the rest of the head as it is (Phi's partial rotation; R = 0: no RoPE).
+static inline void rotate_head(float* x, const float* cos, const float* sin, int64_t R) {
+  const int64_t half = R / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float a = x[i], b = x[i + half];
     x[i] = a * cos[i] - b * sin[i];
@@ -193,10 +211,11 @@ at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at
               qkv.size(1), " is not (", H, " + 2 * ", KV, ") heads");
   const int64_t D = qkv.size(1) / (H + 2 * KV);
   TORCH_CHECK(D % 2 == 0, op, ": odd head size ", D);
+  const int64_t R = cos.dim() == 2 ? cos.size(1) : -1;  // the rotated width
   for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == T &&
-                    t->size(1) == D && t->is_contiguous(),
-                op, ": cos and sin must be contiguous float32 [", T, ", ", D, "]");
+                    t->size(1) == R && R % 2 == 0 && R <= D && t->is_contiguous(),
+                op, ": cos and sin must be contiguous float32 [", T, ", R], R even and <= ", D);
   }
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T, op,
               ": slots must be int64 [", T, "]");
@@ -227,8 +246,8 @@ at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at
   const float e = static_cast<float>(eps);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * qkv.stride(0);
-    const float* c = cos.data_ptr<float>() + t * D;
-    const float* s = sin.data_ptr<float>() + t * D;
+    const float* c = cos.data_ptr<float>() + t * R;
+    const float* s = sin.data_ptr<float>() + t * R;
     for (int64_t h = 0; h < H + KV; ++h) {
       float* out = dst + (t * (H + KV) + h) * D;
       const float* w = h < H ? qn : kn;
@@ -237,7 +256,7 @@ at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at
       } else {
         std::copy(row + h * D, row + (h + 1) * D, out);
       }
-      rotate_head(out, c, s, D);
+      rotate_head(out, c, s, R);
     }
     store_row(dst + (t * (H + KV) + H) * D, KV * D, key_slots, sp[t] * key_slots.stride(0));
     store_row(row + (H + KV) * D, KV * D, value_slots, sp[t] * value_slots.stride(0));
@@ -356,6 +375,7 @@ TORCH_LIBRARY_IMPL(jitney, CPU, m) {
   m.impl("rms_norm", &jitney_kernels::rms_norm);
   m.impl("add_rms_norm_", &jitney_kernels::add_rms_norm_);
   m.impl("silu_mul", &jitney_kernels::silu_mul);
+  m.impl("gelu_tanh_mul", &jitney_kernels::gelu_tanh_mul);
   m.impl("rope_write_kv_", &jitney_kernels::rope_write_kv_);
   m.impl("paged_decode_", &jitney_kernels::paged_decode_);
 }

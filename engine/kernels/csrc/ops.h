@@ -18,6 +18,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
+at::Tensor gelu_tanh_mul(const at::Tensor& gu);
 at::Tensor rope_write_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& slots, at::Tensor& key_slots, at::Tensor& value_slots,
                           int64_t num_heads, int64_t num_kv_heads,

@@ -41,7 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "timed on the trace's continuous schedule), or 'none'",
     )
     off.add_argument("--output", default="bench-offline.json", help="results JSON")
-    off.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     off.add_argument(
         "--no-detokenize",
         dest="detokenize",
@@ -391,18 +390,18 @@ def run(args: argparse.Namespace) -> int:
         return run_queue(args)  # processes of its own: nothing loads torch here
     if args.bench == "placement":
         return run_placement(args)  # processes of its own too
+    from engine.threads import apply_threads, resolve_threads
+
     try:
         config = engine_config_from_args(args)
+        threads = resolve_threads(args.threads)
     except ValueError as e:  # engine flags out of range: before torch is imported
         raise SystemExit(f"bench offline: {e}") from None
-    import torch
-
     from bench.offline import OfflineBenchError, run_offline_bench, write_json
     from bench.trace import load_trace
     from engine.models.model_loader import LoadedModel, load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(threads)
     requests = load_trace(args.trace, args.limit)
     policies = [p for p in args.policies.split(",") if p]
     baselines = [] if args.baseline == "none" else [b for b in args.baseline.split(",") if b]
@@ -415,8 +414,7 @@ def run(args: argparse.Namespace) -> int:
 
     say(
         f"{len(requests)} requests from {args.trace}, "
-        f"{sum(r.output_len for r in requests)} output tokens; torch threads "
-        f"{torch.get_num_threads()}"
+        f"{sum(r.output_len for r in requests)} output tokens; {threads.describe()}"
     )
     try:
         structured = structured_run(args.response_format) if args.response_format else None
@@ -426,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
     except OfflineBenchError as e:  # a trace for another model, an unknown baseline
         raise SystemExit(f"bench offline: {e}") from None
     report["command"] = recorded_command()
+    report["threads"] = {"count": threads.count, "source": threads.source}
     print(report["table"])
     print()
     print(report["phase_table"])

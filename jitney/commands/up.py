@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     # The workers resolve the same rule themselves (same CPUs, same cgroup): only a share
     # differs from what one worker would pick alone, and only it is passed on.
     share = ["--threads", str(threads.count)] if threads.automatic and args.workers > 1 else []
-    print(f"each worker's {threads.describe()}", flush=True)
+    print(f"worker threads: {threads.count} each ({threads.reason})", flush=True)
     with ExitStack() as stack:
         external = os.environ.get("REDIS_URL")
         url = external or stack.enter_context(private_redis())

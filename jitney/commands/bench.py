@@ -1,7 +1,8 @@
 """`jitney bench offline`: the engine against transformers' baselines on a trace.
 `jitney bench serve`: load against a live service over the OpenAI streaming API.
 `jitney bench report`: the key series from Prometheus over a time range, as PNG + JSON.
-`jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on."""
+`jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on.
+`jitney bench busy`: each system's tokens/s quiet and beside a spinning process, as a ratio."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from bench.prom_report import add_report_arguments, run_report
 from bench.provenance import recorded_command
+from jitney.commands.bench_busy import add_busy_arguments, run_busy
 from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
 
 if TYPE_CHECKING:
@@ -58,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_serve_arguments(sub)
     _add_queue_arguments(sub)
     _add_placement_arguments(sub)
+    add_busy_arguments(sub)
     add_report_arguments(sub)
 
 
@@ -390,6 +393,8 @@ def run(args: argparse.Namespace) -> int:
         return run_queue(args)  # processes of its own: nothing loads torch here
     if args.bench == "placement":
         return run_placement(args)  # processes of its own too
+    if args.bench == "busy":
+        return run_busy(args)  # checks its flags before torch, then loads it
     from engine.threads import apply_threads, resolve_threads
 
     try:

@@ -1,6 +1,6 @@
 """The processes a benchmark starts for itself: `jitney` parts with their output in log files,
 stopped politely, and waited for until the gateways serve the model and every worker is ready
-(`jitney bench queue`, `jitney bench placement`)."""
+(`jitney bench queue`, `jitney bench placement`), or a whole `jitney up` (`jitney bench busy`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from launch.private_redis import free_port
 
 
 @dataclass(slots=True)
@@ -42,12 +46,12 @@ def start_part(
     return Part(name, proc, path, metrics_port, url)
 
 
-def stop_part(part: Part) -> None:
+def stop_part(part: Part, timeout: float = 30) -> None:
     proc = part.proc
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -79,3 +83,26 @@ def _get(url: str) -> str:
             return resp.read().decode(errors="replace") if resp.status == 200 else ""
     except OSError:
         return ""
+
+
+@contextmanager
+def jitney_up(flags: list[str], workdir: str, timeout: float = 600) -> Iterator[str]:
+    """`jitney up <flags>` as a user starts it (its own private Redis, a gateway, a worker) on
+    free ports; yields the gateway's URL once it lists a model, stops the stack on exit."""
+    port, metrics = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # up's own Redis
+    args = ["up", *flags, "--port", str(port), "--metrics-port", str(metrics)]
+    url = f"http://127.0.0.1:{port}"
+    part = start_part("up", args, env, workdir, metrics_port=metrics, url=url)
+    try:
+        deadline = time.monotonic() + timeout
+        while '"id"' not in _get(f"{url}/v1/models"):
+            if part.proc.poll() is not None:
+                tail = Path(part.log).read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"jitney up exited during start-up:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"jitney up not serving after {timeout:g} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop_part(part, timeout=120)  # up drains and stops its parts first

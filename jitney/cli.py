@@ -49,7 +49,10 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
         if action.nargs == 0:  # store_true / store_false
             action.default = value.strip().lower() in {"1", "true", "yes", "on"}
         else:
-            action.default = action.type(value) if action.type else value
+            try:
+                action.default = action.type(value) if action.type else value
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{env_var_for(long_opts[0])}={value!r}: {e}")
         action.required = False
 
 

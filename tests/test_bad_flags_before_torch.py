@@ -4,6 +4,7 @@ a flag is wrong)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -68,7 +69,37 @@ def test_a_worker_whose_metrics_port_is_taken_exits_2_before_torch_is_imported()
     assert "torch imported: False" in result.stderr
 
 
-def run_and_report(argv: list[str]) -> subprocess.CompletedProcess[str]:
+THREADS_REFUSED = "must be a whole number of at least 1"
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [
+        (["worker", *TINY, "--metrics-port", "0", "--threads", "0"], {}),
+        (["generate", *TINY, "--threads", "1.5", "hi"], {}),
+        (["up", *TINY, "--threads", "-2"], {}),
+        (["bench", "offline", *TINY, "--threads", "two"], {}),
+        (["generate", *TINY, "hi"], {"JITNEY_THREADS": "0"}),
+        (["worker", *TINY, "--metrics-port", "0"], {"OMP_NUM_THREADS": "0"}),
+        (["up", *TINY], {"OMP_NUM_THREADS": "many"}),
+    ],
+    ids=["worker", "generate", "up", "bench-offline", "env-flag", "worker-omp", "up-omp"],
+)
+def test_a_bad_thread_count_is_refused_before_torch_is_imported(argv, env):
+    result = run_and_report(argv, env)
+    assert result.returncode != 0
+    assert THREADS_REFUSED in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "torch imported: False" in result.stderr, result.stderr
+
+
+def run_and_report(
+    argv: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", RUN_AND_REPORT, *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", RUN_AND_REPORT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # A Redis nobody listens on: `up` must not start one of its own before refusing.
+        env={**os.environ, "REDIS_URL": "redis://127.0.0.1:1", **(env or {})},
     )

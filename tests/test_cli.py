@@ -220,3 +220,20 @@ def test_every_worker_loop_flag_defaults_to_its_service_config_field():
     }
     for dest, field in fields.items():
         assert defaults[dest] is sentinels[field], f"--{dest.replace('_', '-')} writes its own"
+
+
+def test_up_shares_the_automatic_thread_count_among_its_workers():
+    """`jitney up --workers N` divides the automatic count (never below one each); a count the
+    user gave is each worker's, and reaches the workers as their own --threads."""
+    from engine.threads import AFFINITY, FLAG, OMP, ThreadChoice
+    from jitney.commands.up import worker_threads
+
+    auto = ThreadChoice(4, AFFINITY, "affinity: 4 CPUs")
+    assert worker_threads(auto, 1) == auto
+    shared = worker_threads(auto, 2)
+    assert (shared.count, shared.reason) == (2, "affinity: 4 CPUs, shared by 2 workers")
+    assert worker_threads(auto, 8).count == 1
+    for given in (ThreadChoice(3, FLAG, FLAG), ThreadChoice(3, OMP, "OMP_NUM_THREADS=3")):
+        assert worker_threads(given, 2) == given
+    args = build_parser(["up"]).parse_args(["up", "--threads", "3"])
+    assert engine_args_to_argv(args)[-2:] == ["--threads", "3"]

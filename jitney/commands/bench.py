@@ -1,7 +1,8 @@
 """`jitney bench offline`: the engine against transformers' baselines on a trace.
 `jitney bench serve`: load against a live service over the OpenAI streaming API.
 `jitney bench report`: the key series from Prometheus over a time range, as PNG + JSON.
-`jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on."""
+`jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on.
+`jitney bench busy`: each system's tokens/s quiet and beside a spinning process, as a ratio."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from bench.prom_report import add_report_arguments, run_report
 from bench.provenance import recorded_command
+from jitney.commands.bench_busy import add_busy_arguments, run_busy
 from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
 
 if TYPE_CHECKING:
@@ -41,7 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "timed on the trace's continuous schedule), or 'none'",
     )
     off.add_argument("--output", default="bench-offline.json", help="results JSON")
-    off.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     off.add_argument(
         "--no-detokenize",
         dest="detokenize",
@@ -59,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_serve_arguments(sub)
     _add_queue_arguments(sub)
     _add_placement_arguments(sub)
+    add_busy_arguments(sub)
     add_report_arguments(sub)
 
 
@@ -391,18 +393,20 @@ def run(args: argparse.Namespace) -> int:
         return run_queue(args)  # processes of its own: nothing loads torch here
     if args.bench == "placement":
         return run_placement(args)  # processes of its own too
+    if args.bench == "busy":
+        return run_busy(args)  # checks its flags before torch, then loads it
+    from engine.threads import apply_threads, resolve_threads
+
     try:
         config = engine_config_from_args(args)
+        threads = resolve_threads(args.threads)
     except ValueError as e:  # engine flags out of range: before torch is imported
         raise SystemExit(f"bench offline: {e}") from None
-    import torch
-
     from bench.offline import OfflineBenchError, run_offline_bench, write_json
     from bench.trace import load_trace
     from engine.models.model_loader import LoadedModel, load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(threads)
     requests = load_trace(args.trace, args.limit)
     policies = [p for p in args.policies.split(",") if p]
     baselines = [] if args.baseline == "none" else [b for b in args.baseline.split(",") if b]
@@ -415,8 +419,7 @@ def run(args: argparse.Namespace) -> int:
 
     say(
         f"{len(requests)} requests from {args.trace}, "
-        f"{sum(r.output_len for r in requests)} output tokens; torch threads "
-        f"{torch.get_num_threads()}"
+        f"{sum(r.output_len for r in requests)} output tokens; {threads.describe()}"
     )
     try:
         structured = structured_run(args.response_format) if args.response_format else None
@@ -426,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
     except OfflineBenchError as e:  # a trace for another model, an unknown baseline
         raise SystemExit(f"bench offline: {e}") from None
     report["command"] = recorded_command()
+    report["threads"] = {"count": threads.count, "source": threads.source}
     print(report["table"])
     print()
     print(report["phase_table"])

@@ -268,12 +268,31 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--cache-dir", default=engine["cache_dir"], help="converted-model cache (JITNEY_CACHE_DIR)"
     )
     g.add_argument(
+        "--threads",
+        type=thread_count,
+        default=None,
+        metavar="N",
+        help="compute threads (torch's pool, which the CPU kernels use); default: "
+        "OMP_NUM_THREADS if set, else the physical cores among the CPUs this process may run "
+        "on, capped by its cgroup CPU quota (a container's limit); the start-up log says which",
+    )
+    g.add_argument(
         "--pooling",
         choices=POOLING_METHODS,
         default=engine["pooling"],
         help="/v1/embeddings: the last token's final hidden state (vLLM's default for decoder "
         "models: in a causal model only it has seen the whole input) or the mean over the input",
     )
+
+
+def thread_count(text: str) -> int:
+    """--threads' type: a clear refusal of 0, a negative or a fraction, before torch loads."""
+    from engine.threads import parse_thread_count
+
+    try:
+        return parse_thread_count(text, name="the thread count")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:

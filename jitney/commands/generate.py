@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.threads import apply_threads, resolve_threads
     from generation import SamplingParams
 
     try:  # before torch is imported and the model loads: a bad value fails in a moment
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
             stop=tuple(args.stop),
         )
         config = engine_config_from_args(args)  # bad engine flags too
+        threads = resolve_threads(args.threads)  # and a bad OMP_NUM_THREADS
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
 
@@ -41,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
+
+    apply_threads(threads)
+    progress(threads.describe())
 
     engine = Engine(config, progress=progress)
     tok = engine.loaded.tokenizer

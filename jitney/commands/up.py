@@ -19,8 +19,9 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from engine.threads import ThreadChoice, resolve_threads
 from gateway.config import GatewayConfig
 from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
 from jitney.commands.local_stack import LocalStack, published
@@ -162,7 +163,27 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def worker_threads(choice: ThreadChoice, workers: int) -> ThreadChoice:
+    """Each worker's threads: a number the user gave (--threads, OMP_NUM_THREADS) is each
+    worker's; the automatic one is shared, so the workers together take what the process may
+    use. Nothing is kept back for the gateway and Redis: they wait on sockets, and what they
+    need beside a busy worker is still to be measured (issue 56); --threads leaves them room."""
+    if not choice.automatic or workers <= 1:
+        return choice
+    count = max(1, choice.count // workers)
+    return replace(choice, count=count, reason=f"{choice.reason}, shared by {workers} workers")
+
+
 def _run(args: argparse.Namespace) -> int:
+    try:  # before anything starts: a bad OMP_NUM_THREADS is refused here, not by each worker
+        threads = worker_threads(resolve_threads(args.threads), args.workers)
+    except ValueError as e:
+        print(f"up: {e}", file=sys.stderr)
+        return 2
+    # The workers resolve the same rule themselves (same CPUs, same cgroup): only a share
+    # differs from what one worker would pick alone, and only it is passed on.
+    share = ["--threads", str(threads.count)] if threads.automatic and args.workers > 1 else []
+    print(f"worker threads: {threads.count} each ({threads.reason})", flush=True)
     with ExitStack() as stack:
         external = os.environ.get("REDIS_URL")
         url = external or stack.enter_context(private_redis())
@@ -185,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
                 [
                     "worker",
                     *engine_args_to_argv(args),
+                    *share,
                     *generation_config_argv(args),
                     "--metrics-port",
                     str(args.metrics_port + i),
@@ -204,16 +226,16 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"not ready after {READY_TIMEOUT_S} s; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.5)
-        print(_banner(base, args), flush=True)
+        print(_banner(base, args, threads), flush=True)
         while all(part.restart_if_dead() for part in parts):
             time.sleep(0.5)
         return 1
 
 
-def _banner(base: str, args: argparse.Namespace) -> str:
+def _banner(base: str, args: argparse.Namespace, threads: ThreadChoice) -> str:
     question = '{"role": "user", "content": "What is the capital of France?"}'
     return f"""
-Jitney is up: {args.workers} worker(s) serving {args.model}
+Jitney is up: {args.workers} worker(s) serving {args.model}, {threads.count} thread(s) each
   OpenAI API   {base}/v1
   metrics      {base}/metrics (gateway), http://localhost:{args.metrics_port}/metrics (worker 0)
 

@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("jitney").setLevel(args.log_level.upper())
     # Only what the checks of the flags need comes before them: a bad flag is refused in a moment,
     # not after the seconds torch and transformers take to import.
+    from engine.threads import apply_threads, resolve_threads
     from worker.log_fields import kv
     from worker.metrics_server import bind_metrics_port
     from worker.service_config import ServiceConfig
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             placement_steal_ms=args.placement_steal_ms,
         )
         engine_config = engine_config_from_args(args)
+        threads = resolve_threads(args.threads)  # a bad OMP_NUM_THREADS is refused here
     except ValueError as e:
         logger.error("cannot_start %s", kv(error=e))
         return 2
@@ -170,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
     from worker.metrics import WorkerMetrics
     from worker.redis_io import WorkerRedis
 
+    apply_threads(threads)
+    logger.info(threads.describe())
     try:
         engine = Engine(engine_config)  # the loader logs each stage
     except ValueError as e:  # what needs the model: max_model_len does not fit the KV budget

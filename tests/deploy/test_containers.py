@@ -243,6 +243,11 @@ def test_compose_stack_is_complete_and_wired(compose: dict) -> None:
         grace = int(services[w]["stop_grace_period"].rstrip("s"))
         assert grace >= float(env["JITNEY_SHUTDOWN_TIMEOUT"]) + 5 + 5
         assert services[w]["build"]["args"]["TORCH_SPEC"] == "torch==2.13.0"
+        # Each worker computes on its own CPU limit (the container's quota sets its thread
+        # count): whole CPUs, and no OMP_NUM_THREADS beside it to disagree.
+        cpus = float(services[w]["cpus"])
+        assert cpus >= 1 and cpus == int(cpus)
+        assert not {"OMP_NUM_THREADS", "JITNEY_THREADS"} & env.keys()
     # Every bind-mounted host path exists.
     for name, svc in services.items():
         for volume in svc.get("volumes", []):

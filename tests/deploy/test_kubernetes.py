@@ -280,6 +280,13 @@ def test_worker_probes_drain_and_device(built, overlay):
     assert port == int(e["JITNEY_METRICS_PORT"])
     assert e["JITNEY_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert "replicas" not in deploy["spec"]  # KEDA owns the count
+    # The worker computes on its CPU limit (engine/threads.py reads the cgroup quota): a limit
+    # of whole CPUs, as many as it requests, and no thread count set beside it to disagree.
+    cpus = {k: cpu_quantity(v["cpu"]) for k, v in c["resources"].items()}
+    assert cpus["limits"] == cpus["requests"] and cpus["limits"] >= 1
+    assert cpus["limits"] == int(cpus["limits"]), "a fraction of a CPU is a thread it waits on"
+    assert not {"OMP_NUM_THREADS", "JITNEY_THREADS"} & set(e)
+    assert "--threads" in _worker_help()
     gpus = {k: v.get("nvidia.com/gpu") for k, v in c["resources"].items()}
     if overlay == "gpu":
         assert gpus == {"limits": 1, "requests": 1}
@@ -287,6 +294,12 @@ def test_worker_probes_drain_and_device(built, overlay):
     else:
         assert gpus == {"limits": None, "requests": None}
         assert e["JITNEY_DEVICE"] == "cpu" and c["image"].endswith(":cpu")
+
+
+def cpu_quantity(value: str | int | float) -> float:
+    """A Kubernetes CPU quantity ("2", 2, "1500m") in CPUs."""
+    text = str(value)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
 def _worker_help() -> str:

@@ -79,6 +79,16 @@ def test_up_serves_a_chat_request_and_stops_everything_on_sigterm(tmp_path):
         up.stop(signal.SIGKILL)
     output = up.output()
     assert "Jitney is up" in output and "curl" in output
+    # The start-up lines say how many threads the worker computes on, and why; the worker
+    # itself logs the same count.
+    said = re.search(r"worker threads: (\d+) each \(", output)
+    assert said, output[:2000]
+    count = said.group(1)
+    assert any(
+        line.startswith("[worker-0]") and f"threads: {count} (" in line
+        for line in output.splitlines()
+    )
+    assert f"{count} thread(s) each" in output
     for url in (f"{base}/health", f"http://127.0.0.1:{metrics_port}/metrics"):
         try:
             urllib.request.urlopen(url, timeout=2)

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from engine.attention.paged_attention import use_paged_attention
-from engine.kernels import Q8_0Weights
+from engine.kernels import BlockWeights
 from engine.models.families import family_switches, unsupported_because
 from engine.models.llama import LlamaForward
 from engine.models.rotary import longrope_uses_long_factors, rotary_tables
@@ -213,7 +213,7 @@ def test_int8_is_the_dense_model_on_its_rounded_weights(case: str, exact_linears
     from a Llama, and quantizing changes only the weights."""
     ref, _ = make_models(case)
     rounded = {
-        name: Q8_0Weights.quantize(p.detach()).dequantize() if p.dim() == 2 else p
+        name: BlockWeights.quantize_q8_0(p.detach()).dequantize() if p.dim() == 2 else p
         for name, p in ref.named_parameters()
     }
     dense = LlamaForward(ref.config, StateDictWeights(rounded))

@@ -52,7 +52,7 @@ class TraceRun:
     does (else it makes exactly its `output_len` tokens).
 
     Its clock counts only the time spent in its own steps (and in adding the requests): for a
-    run alone that is its wall time; for runs that take steps in turn (bench.speculation_ab's
+    run alone that is its wall time; for runs that take steps in turn (research.speculation_ab's
     lockstep), each is timed as if the machine were its own, while a drift in the machine's
     speed falls on both alike."""
 

@@ -1,8 +1,8 @@
 """A minimal OTLP/HTTP trace receiver: `POST /v1/traces` protobuf bodies, decoded with
 opentelemetry-proto into plain `ReceivedSpan`s (what a collector, Jaeger or Tempo would store).
 
-The tracing test points a real gateway and worker at it; `bench/tracing_cost.py` runs it as a
-process of its own (`python -m bench.otlp_receiver --port N`), so that what the worker measures
+The tracing test points a real gateway and worker at it; `research/tracing_cost.py` runs it as a
+process of its own (`python -m tests.otlp_receiver --port N`), so that what the worker measures
 is its own export and not the receiver's decoding (`GET /` answers the counts so far). Gzip
 bodies are accepted (OTEL_EXPORTER_OTLP_COMPRESSION=gzip).
 """

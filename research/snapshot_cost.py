@@ -1,6 +1,6 @@
 """What the live batch view costs a worker: one snapshot (build + JSON) against one engine step.
 
-`python -m bench.snapshot_cost [--model tiny-random] [--seats 64] [--redis-url URL]`: an
+`python -m research.snapshot_cost [--model tiny-random] [--seats 64] [--redis-url URL]`: an
 engine decodes a full batch of `--seats` sequences; its mean step time is compared with the mean
 cost of a snapshot of that batch (and, with --redis-url, of its SET too). A worker publishes at
 most every SNAPSHOT_INTERVAL_S, so its share of the loop's time is the snapshot's cost over

@@ -1,6 +1,6 @@
 """The speculation ceiling's replay: steps counted as a verification keeps them."""
 
-from bench.speculation_ceiling import (
+from research.speculation_ceiling import (
     Lookup,
     speedup_bound,
     steps_to_decode,

@@ -2,7 +2,7 @@
 (`NgramProposer.propose`, the engine's way) against a scan back through the text
 (`NgramProposer.follow` over the whole text, the engine's way before the index).
 
-`python -m bench.lookup_cost [--contexts 1000,8000,32000] [--steps 200] [--vocab 49152]`
+`python -m research.lookup_cost [--contexts 1000,8000,32000] [--steps 200] [--vocab 49152]`
 
 Each context: a prompt of random tokens (a vocabulary the bundled model's size: tails found
 nowhere, the common case outside a quote), then `--steps` steps that each append one token and

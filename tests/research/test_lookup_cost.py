@@ -1,9 +1,9 @@
-"""bench/lookup_cost.py, small: both ways timed on the same text (their drafts checked equal
+"""research/lookup_cost.py, small: both ways timed on the same text (their drafts checked equal
 inside), and the table printed."""
 
 from __future__ import annotations
 
-from bench import lookup_cost
+from research import lookup_cost
 
 
 def test_both_ways_are_timed_and_the_table_has_a_row_per_context(capsys):

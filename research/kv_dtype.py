@@ -1,12 +1,12 @@
 """What the KV cache's dtype does to one user's decode at long contexts: ms per token, interleaved.
 
-`python -m bench.kv_dtype [--dtypes float32,float16,bfloat16] [--contexts 256,1024,2048,4000]
+`python -m research.kv_dtype [--dtypes float32,float16,bfloat16] [--contexts 256,1024,2048,4000]
  [--tokens 64] [--rounds 2] [--speculative none] [--output kv_dtype.json]`
 
 One engine per `--kv-cache-dtype`, all loaded at once; each round runs every context on every
 engine in turn (a warm-up round first, not counted), so a machine whose speed drifts moves every
 dtype alike. The prompt is the first `context` tokens of Python's language-reference prose (as
-bench/perplexity.py's); the request is greedy, ignores EOS, and its decode steps are timed from
+research/perplexity.py's); the request is greedy, ignores EOS, and its decode steps are timed from
 the first token on (the prefill is not). Ratios are against the first dtype, in the same run.
 Where the time goes: a decode step reads every K/V of its context once (SmolLM2: 46 KB a token in
 float32), beside the weights, so past a few hundred positions that read is what a 16-bit pool
@@ -74,10 +74,10 @@ def run(
     speculative: str = "none",
     kv_cache_memory: str = "2GiB",
 ) -> list[Timing]:
-    from bench.perplexity import reference_text
     from engine.config import EngineConfig
     from engine.llm_engine import Engine
     from engine.models.model_loader import load_model
+    from research.perplexity import reference_text
 
     loaded = load_model(model)  # one copy of the weights; each engine its own pool
     engines = {

@@ -1,6 +1,6 @@
 """Predicted outputs against none: one request at a time, the same engine, in one process.
 
-`python -m bench.prediction_ab [--trace bench/traces/quoting.json] [--rounds 3]
+`python -m research.prediction_ab [--trace bench/traces/quoting.json] [--rounds 3]
  [--model smollm2-135m] [--prediction reply|garbage]`
 
 Each request's greedy reply is computed once (speculation on, as served). Then, round after

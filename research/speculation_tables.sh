@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The README's speculation table: three traces, each with speculation off (`--speculative none`)
-# and on (the default) in one process per trace (bench/speculation_ab.py: the weights loaded
+# and on (the default) in one process per trace (research/speculation_ab.py: the weights loaded
 # once, the two engines taking steps in turn, each timed by its own steps, who goes first
 # flipping every round), so a machine whose speed drifts moves both alike. Run it on a quiet
 # machine:
-#   bench/speculation_tables.sh OUT_DIR [ROUNDS]
+#   research/speculation_tables.sh OUT_DIR [ROUNDS]
 # AB_FLAGS adds flags to every run (AB_FLAGS="--speculative-history-tokens 0": prompt lookup over
 # each sequence's own text only).
 # - quoting: bench/traces/quoting.json, one request at a time (8 prompts whose answers quote them)
@@ -15,7 +15,7 @@
 # took (off / on, means); then per trace where each mode's steps spent their time (prompts,
 # plain decode steps, decode steps with drafts).
 set -eu
-OUT=${1:?usage: bench/speculation_tables.sh OUT_DIR [ROUNDS]}
+OUT=${1:?usage: research/speculation_tables.sh OUT_DIR [ROUNDS]}
 ROUNDS=${2:-3}
 PY=${PYTHON:-.venv/bin/python}
 TRACES=${TRACES:-../shared/traces}  # where mixed-64.json is
@@ -29,9 +29,9 @@ $PY -m bench.synthetic_trace --requests 1 --output-len "$ONE_USER_TOKENS" --voca
 ab() {  # name label trace [flags...]: one trace's rounds, the report kept as OUT/name.json
   local name=$1 label=$2 trace=$3
   shift 3
-  $PY -m bench.speculation_ab --model smollm2-135m --threads 2 --rounds "$ROUNDS" \
+  $PY -m research.speculation_ab --model smollm2-135m --threads 2 --rounds "$ROUNDS" \
     --trace "$trace" --label "$label" --output "$OUT/$name.json" ${AB_FLAGS:-} "$@" > "$OUT/$name.md" \
-    2> "$OUT/$name.log" || { echo "bench.speculation_ab failed: $name (see $OUT/$name.log)" >&2; exit 1; }
+    2> "$OUT/$name.log" || { echo "research.speculation_ab failed: $name (see $OUT/$name.log)" >&2; exit 1; }
 }
 
 ab quoting "\`bench/traces/quoting.json\`, one request at a time" "$QUOTING" --max-num-seqs 1

@@ -1,6 +1,6 @@
 """Perplexity of one model kept in several ways, on English prose that ships with Python.
 
-`python -m bench.perplexity [--model smollm2-135m] [--modes fp32,bf16,int8,gguf,gguf-1-digit]
+`python -m research.perplexity [--model smollm2-135m] [--modes fp32,bf16,int8,gguf,gguf-1-digit]
  [--tokens 8192] [--window 512] [--chunk 16] [--kv-cache-dtype auto] [--output perplexity.json]`
 
 The text is the language reference's prose in `pydoc_data/topics.py` (every topic, in sorted

@@ -1,6 +1,6 @@
 """What a verification row costs the forward: one sequence's R rows at a context, R = 1..N.
 
-`python -m bench.row_price [--contexts 300,1000] [--rows 8] [--repeat 15] [--digits 2,1]
+`python -m research.row_price [--contexts 300,1000] [--rows 8] [--repeat 15] [--digits 2,1]
  [--threads 2]`
 
 The bundled SmolLM2 on its GGUF blocks (the default forward), a float16 KV pool, one sequence

@@ -1,4 +1,4 @@
-"""bench/draft_head_probe.py, small: the training prompts, which steps count as lookup-less, a
+"""research/draft_head_probe.py, small: the training prompts, which steps count as lookup-less, a
 head that learns, and the whole probe on the tiny random model."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import json
 
 import torch
 
-from bench import draft_head_probe as probe
-from bench.quoting_trace import CODE, CONTACTS, REPORT
-from bench.speculation_ceiling import Lookup
 from engine.models.model_loader import load_model
+from research import draft_head_probe as probe
+from research.quoting_trace import CODE, CONTACTS, REPORT
+from research.speculation_ceiling import Lookup
 
 
 def test_training_prompts_are_fixed_and_none_is_the_trace_s():

@@ -1,6 +1,6 @@
 """SmolLM2-135M's linear layers, one step's worth, in each way torch or Jitney can keep the weights.
 
-`python -m bench.kernels [--threads 2] [--tokens 1,4,16,64] [--repeat 5] [--crossover [T,...]]`
+`python -m research.kernels [--threads 2] [--tokens 1,4,16,64] [--repeat 5] [--crossover [T,...]]`
 
 A step is all of the model's matrix multiplies for T tokens: 30 layers x (fused QKV 960x576,
 o 576x576, fused gate/up 3072x576, down 576x1536) + the tied LM head 49152x576, with the weights of

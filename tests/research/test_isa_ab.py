@@ -1,11 +1,11 @@
-"""bench.isa_ab: one engine, the kernels' level switched request by request."""
+"""research.isa_ab: one engine, the kernels' level switched request by request."""
 
 import json
 
 import pytest
 
-from bench.isa_ab import main, run_ab
 from engine.kernels import kernel_backend
+from research.isa_ab import main, run_ab
 
 pytestmark = pytest.mark.skipif(
     not kernel_backend().is_native, reason="needs the C++ kernels (levels to switch)"

@@ -1,6 +1,6 @@
 """Speculation off against on, one trace, in one process, step by step.
 
-`python -m bench.speculation_ab --trace T [--max-num-seqs 1] [--rounds 3] [--model smollm2-135m]
+`python -m research.speculation_ab --trace T [--max-num-seqs 1] [--rounds 3] [--model smollm2-135m]
  [--threads 2] [--speculative auto] [--pairing lockstep|runs] [--output ab.json]`
 
 The weights are loaded once; each round runs the whole trace through `bench offline`'s

@@ -1,18 +1,18 @@
 """Speculation off and several engine settings, one trace, in one process, step by step.
 
-`python -m bench.speculation_variants --trace T --variant NAME:FIELD=VALUE[,FIELD=VALUE...]
+`python -m research.speculation_variants --trace T --variant NAME:FIELD=VALUE[,FIELD=VALUE...]
  [--variant ...] [--max-num-seqs 1] [--rounds 6] [--model smollm2-135m] [--output v.json]`
 
-bench.speculation_ab pairs off with one mode; tuning a proposer or the policy compares two
+research.speculation_ab pairs off with one mode; tuning a proposer or the policy compares two
 settings that differ by a few percent, less than this machine drifts between runs. Here every
 variant (EngineConfig fields on top of the defaults, `NAME:` alone being the defaults) and
-speculation off run the trace in lockstep (bench.speculation_ab.run_in_turn: the engines take
+speculation off run the trace in lockstep (research.speculation_ab.run_in_turn: the engines take
 steps in turn, each timed by its own steps), who goes first rotating every round. Reports each
 round's tokens/s and speed-up over off, and per variant the speed-up of the means (the rounds'
 range), drafts kept, tokens a step, where its steps spent their time, and whether its tokens
 are off's (greedy: they must be).
 
-  python -m bench.speculation_variants --trace bench/traces/quoting.json --max-num-seqs 1 \\
+  python -m research.speculation_variants --trace bench/traces/quoting.json --max-num-seqs 1 \\
     --variant without:prompt_lookup_resume=false --variant with: --rounds 6
 """
 
@@ -31,10 +31,10 @@ from typing import Any
 
 from bench.baselines import RunResult
 from bench.offline import TraceRun
-from bench.speculation_ab import ModeSummary, run_in_turn, summarize_mode, summary_json
 from bench.trace import TraceRequest
 from engine.config import EngineConfig
 from engine.models.model_loader import LoadedModel
+from research.speculation_ab import ModeSummary, run_in_turn, summarize_mode, summary_json
 
 OFF = "off"
 # Fields the weights were loaded with, once for every variant.

@@ -1,7 +1,7 @@
 """How many tokens a verification step could keep on a trace: prompt lookup replayed over the
 model's own greedy outputs, with no cost model and no pause policy (the ceiling a proposer sets).
 
-`python -m bench.speculation_ceiling [--trace bench/traces/quoting.json] [--output-len 128]`
+`python -m research.speculation_ceiling [--trace bench/traces/quoting.json] [--output-len 128]`
 
 Each request's greedy output is computed once (speculation off: the tokens any exact speculation
 must give). Then, position by position, the proposer's drafts are compared with the output, a

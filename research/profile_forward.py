@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per op class, through the engine's own forward.
 
-`python -m bench.profile_forward [--model smollm2-135m] [--quantization none|gguf]
+`python -m research.profile_forward [--model smollm2-135m] [--quantization none|gguf]
  [--model-impl auto|jitney|transformers] [--decode-attention ...] [--threads 2] [--batch 1]
  [--prompt-len 134] [--steps 32] [--markdown out.md]`
 

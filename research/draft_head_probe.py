@@ -1,6 +1,6 @@
 """How well a small learned draft head would propose where prompt lookup has nothing to propose.
 
-`python -m bench.draft_head_probe [--model smollm2-135m] [--prompts 270] [--epochs 6]`
+`python -m research.draft_head_probe [--model smollm2-135m] [--prompts 270] [--epochs 6]`
 
 A probe, not a proposer: it says whether training an EAGLE-style head is worth building into the
 engine (its seam is scheduler/speculation/proposer.py), on this machine, with the data a CPU can
@@ -13,7 +13,7 @@ instructions, none of them the judged trace's texts; the hidden states come from
 model's forward over each prompt and reply. It is judged on the trace's greedy replies (EOS
 ignored, as the benches run it):
 - its accuracy over every position, and before each reply's first EOS;
-- its accuracy at the steps where prompt lookup (`bench.speculation_ceiling`'s replay: up to 7
+- its accuracy at the steps where prompt lookup (`research.speculation_ceiling`'s replay: up to 7
   drafts, n-grams of 2-4) proposes nothing. Those steps decode one token, and a head draft there
   pays only while it is kept more often than a draft row costs (`bench offline`'s "a draft row
   priced at" line: 0.1 of a step on AMX, about 0.2 on AVX2 and Zen 4).
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.speculation_ceiling import Lookup, replay
+from research.speculation_ceiling import Lookup, replay
 
 Pair = tuple[list[int], list[int]]  # a prompt's tokens and its greedy reply's
 

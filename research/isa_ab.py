@@ -1,6 +1,6 @@
 """Two or more kernel levels on one trace, in one process, interleaved request by request.
 
-`python -m bench.isa_ab [--trace bench/traces/quoting.json] [--levels avx2,avx2-int16]
+`python -m research.isa_ab [--trace bench/traces/quoting.json] [--levels avx2,avx2-int16]
  [--speculative ngram] [--rounds 2] [--model smollm2-135m] [--threads 2] [--output ab.json]`
 
 Each request of the trace runs alone (one user), greedy, its trace's output length, once per

@@ -1,14 +1,14 @@
-"""bench/kv_dtype.py: one user's decode timed per KV dtype, every (context, dtype) measured each
+"""research/kv_dtype.py: one user's decode timed per KV dtype, every (context, dtype) measured each
 counted round, the ratios against the first dtype, and the idle pool check timed apart."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import kv_dtype
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.models.model_loader import LoadedModel, load_model
+from research import kv_dtype
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""bench.speculation_ab: speculation off and on, one process, the order flipping by round;
+"""research.speculation_ab: speculation off and on, one process, the order flipping by round;
 by default the two engines take steps in turn, each timed by its own steps."""
 
 import json
@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from bench.offline import TraceRun
-from bench.speculation_ab import check_pairing, format_row, main, run_ab, run_in_turn
 from bench.trace import trace_requests
 from engine.config import EngineConfig
 from engine.models.model_loader import load_model
+from research.speculation_ab import check_pairing, format_row, main, run_ab, run_in_turn
 
 # Prompts that repeat themselves, so prompt lookup has drafts to propose.
 REQUESTS = [

@@ -1,4 +1,4 @@
-"""bench/prediction_ab.py on the tiny model, small: both modes run every round, the tokens agree,
+"""research/prediction_ab.py on the tiny model, small: both modes run every round, the tokens agree,
 and a prediction that is the reply keeps more drafts than none."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import prediction_ab
+from research import prediction_ab
 
 
 def test_both_modes_run_and_agree(tmp_path: Path, capsys):

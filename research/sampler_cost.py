@@ -1,7 +1,7 @@
 """What the sampler's scans cost a step: over N rows of a vocabulary-wide batch of logits, for
 greedy and the common sampling settings, in C++ and in the torch reference (engine/kernels).
 
-`python -m bench.sampler_cost [--rows 64] [--vocab 49152] [--threads 2] [--repeat 10]`
+`python -m research.sampler_cost [--rows 64] [--vocab 49152] [--threads 2] [--repeat 10]`
 
 The logits are a real model's scale (standard normal times 3: after a temperature of 0.2 a
 nucleus of top_p 0.9 holds a few tokens, at temperature 1 thousands), one row per request; the

@@ -1,11 +1,11 @@
 """What tracing costs a worker's step: the loop's per-step work with tracing off and on.
 
-`python -m bench.tracing_cost [--model tiny-random] [--seats 32] [--steps 300] [--rounds 3]`:
+`python -m research.tracing_cost [--model tiny-random] [--seats 32] [--steps 300] [--rounds 3]`:
 an engine kept full of requests (prompts of 16-64 tokens, 8-48 output tokens each, a new one
 as soon as one ends: chunked prefills, first tokens and finishes in most steps) runs the steps
 as the worker loop does (engine step, `WorkerTraces.on_step`, the request book, whose ends make
 the spans), in rounds alternating off and on. On, spans go over OTLP/HTTP to a receiver running
-as a process of its own (bench/otlp_receiver.py), from the SDK's batch processor thread as in a
+as a process of its own (tests/otlp_receiver.py), from the SDK's batch processor thread as in a
 worker; a flush ends each round, so the export's work is counted in it. Printed per mode: the
 wall time of a step, the process's CPU time per step (every thread: the exporter's too), the
 loop's work outside `Engine.step`; and per finished request what tracing added, in the loop
@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.provenance import recorded_command
 from engine.config import EngineConfig
@@ -36,6 +37,7 @@ from worker.redis_io import EntryRef
 from worker.request_book import RequestBook, TrackedRequest
 from worker.tracing import WorkerTraces
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 STREAM = Keys("bench").requests("bench")  # what the spans name as the request stream
 # A client's trace each request continues, as a gateway's enqueue span would hand it on.
 PARENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
@@ -107,8 +109,9 @@ def run_round(engine: Engine, traces: WorkerTraces | None, seats: int, steps: in
 
 
 def start_receiver(port: int) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "bench.otlp_receiver", "--port", str(port)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    # The receiver is a test helper (tests/ is not installed): run it from the repository root.
+    args = [sys.executable, "-m", "tests.otlp_receiver", "--port", str(port)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -178,7 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.model, args.seats, args.steps, args.rounds, args.port)
     result["load_average"] = os.getloadavg()[0]
-    result["command"] = recorded_command(["python", "-m", "bench.tracing_cost", *sys.argv[1:]])
+    result["command"] = recorded_command(["python", "-m", "research.tracing_cost", *sys.argv[1:]])
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
 
 

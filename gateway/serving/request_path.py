@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from gateway.openai import tools
 from gateway.openai.choices import Choice, Echo
+from gateway.openai.completion_bodies import Kind, Responder
 from gateway.openai.errors import bad_request
 from gateway.openai.logprobs_format import LogprobsFormatter
 from gateway.openai.request_models import (
@@ -37,7 +38,6 @@ from gateway.openai.request_models import (
     parse_chat,
     parse_completion,
 )
-from gateway.openai.response_bodies import Kind, Responder
 from gateway.openai.structured_outputs import Grammar, compile_error
 from gateway.openai.tool_parser import ToolStream
 from gateway.serving import tracing

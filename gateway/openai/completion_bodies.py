@@ -1,20 +1,14 @@
-"""OpenAI response objects: whole bodies, stream chunks and the SSE framing."""
+"""The chat and completions APIs' response objects: whole bodies, stream chunks and usage (the
+SSE framing is gateway.openai.sse; the Responses API's objects are gateway.openai.responses_*)."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Kind = Literal["chat", "completion"]
-DONE = b"data: [DONE]\n\n"
-KEEPALIVE = b": keep-alive\n\n"
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def usage(

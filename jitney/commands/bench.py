@@ -1,7 +1,9 @@
 """`jitney bench offline`: the engine against transformers' baselines on a trace.
 `jitney bench serve`: load against a live service over the OpenAI streaming API.
 `jitney bench report`: the key series from Prometheus over a time range, as PNG + JSON.
-`jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on."""
+`jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on.
+`jitney bench queue`: what one Redis and one gateway carry, with noop workers.
+The modules are bench/'s (bench/README.md); research probes are research/'s, not installed."""
 
 from __future__ import annotations
 

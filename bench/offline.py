@@ -29,6 +29,12 @@ BASELINES = (HF_GENERATE, HF_CB, ZERO_OVERHEAD)
 # The phase table's columns after the engine's phases: the step as timed around Engine.step,
 # and its overhead (the step minus the forward).
 STEP, OVERHEAD = "step", "overhead"
+# What the report says of the warm-up each run takes before its clock starts.
+WARMUP_NOTE = (
+    "each run warms up on one 2-token request whose prompt is not in the trace (the first "
+    "request's length, its first token one that starts no request), so no trace prompt starts "
+    "in the prefix cache"
+)
 
 
 class OfflineBenchError(ValueError):
@@ -52,7 +58,7 @@ class TraceRun:
     does (else it makes exactly its `output_len` tokens).
 
     Its clock counts only the time spent in its own steps (and in adding the requests): for a
-    run alone that is its wall time; for runs that take steps in turn (bench.speculation_ab's
+    run alone that is its wall time; for runs that take steps in turn (research.speculation_ab's
     lockstep), each is timed as if the machine were its own, while a drift in the machine's
     speed falls on both alike."""
 
@@ -69,7 +75,10 @@ class TraceRun:
         self.config, self.detokenize, self.structured = config, detokenize, structured
         self.engine = engine = Engine(config, loaded=loaded)
         if warmup and requests:
-            engine.generate([requests[0].prompt_ids], SamplingParams(max_tokens=2, temperature=0))
+            prompt = warmup_prompt(requests)
+            engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+        # The warm-up's own prefix-cache hits are not the run's.
+        self.prefix_hits_before = engine.stats.num_prefix_hits_total
         started = time.perf_counter()
         self.outputs: dict[str, list[int]] = {}
         grammar = None if structured is None else structured.grammar
@@ -148,6 +157,8 @@ class TraceRun:
                 "steps": steps,
                 "slot_util": useful / (steps * config.max_num_seqs) if steps else 0.0,
                 "preemptions": stats.num_preemptions_total,
+                # Prompt tokens the run's requests took from the prefix cache.
+                "prefix_cache_hit_tokens": stats.num_prefix_hits_total - self.prefix_hits_before,
                 "peak_kv_blocks": self.peak_blocks,
                 "kv_blocks_total": engine.view.kv_total_blocks,
                 "phase_ms_per_step": _ms_per_step(self.phases, self.step_s, steps),
@@ -186,6 +197,17 @@ class TraceRun:
                 ),
             },
         )
+
+
+def warmup_prompt(requests: Sequence[TraceRequest]) -> list[int]:
+    """A prompt for the warm-up that shares no prefix-cache block with any request of the trace:
+    the first request's tokens (so the warm-up's shapes are the run's), its first token replaced
+    by the smallest id that starts no request. Block hashes are chained from the first block, so
+    no block of it can match a trace prompt's. That id is at most the number of distinct first
+    tokens, so it is in any vocabulary the trace fits."""
+    firsts = {r.prompt_ids[0] for r in requests if r.prompt_ids}
+    first = next(t for t in range(len(firsts) + 1) if t not in firsts)
+    return [first, *requests[0].prompt_ids[1:]]
 
 
 @dataclass(slots=True)
@@ -398,6 +420,7 @@ def run_offline_bench(
         table += "\n\n" + format_structured(compared, len(requests))
     return {
         "table": table,
+        "warmup": WARMUP_NOTE,
         "phase_table": format_phase_table(ours),
         "draft_table": format_draft_table(ours),
         "results": [{**r.summary(), "extra": r.extra} for r in [*ours, *base_results]],

@@ -62,7 +62,7 @@ def kv_storage_dtype(choice: str, model_dtype: torch.dtype, quantized: bool) -> 
 
     NOTE: why float16 there (docs/performance.md, SmolLM2 on 2 cores): half the bytes of every
     decode step's K/V read, so one user's step at 4,000 positions took 23.1-23.7 ms against
-    32.4-33.8 (`python -m bench.kv_dtype`) and mixed-64 ran 4% faster; twice the tokens per
+    32.4-33.8 (`python -m research.kv_dtype`) and mixed-64 ran 4% faster; twice the tokens per
     budget; perplexity -0.005% (bfloat16: +0.02%, its 8-bit significand). llama.cpp's default
     KV type is the same. The exact mode (`--quantization none`) keeps the model's dtype."""
     if choice != "auto":

@@ -73,6 +73,24 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+# What `from protocol import ...` gets of this module (protocol/__init__.py star-imports it).
+__all__ = [
+    "CANCEL_FLAG_TTL_S",
+    "CANCEL_STREAM_MAXLEN",
+    "DEAD_LETTER_MAXLEN",
+    "DEFAULT_REDIS_URL",
+    "FENCE_TTL_S",
+    "HEARTBEAT_INTERVAL_S",
+    "HEARTBEAT_TTL_S",
+    "MAX_DELIVERIES",
+    "RELEASED_CONSUMER",
+    "REPLY_STREAM_MAXLEN",
+    "WORKER_GROUP",
+    "Keys",
+    "redacted",
+    "redis_url",
+]
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 WORKER_GROUP = "workers"
 # A worker or gateway whose heartbeat is older than this is gone (hosts' clocks must agree to

@@ -16,6 +16,30 @@ from typing import Any, ClassVar, TypeVar
 
 from generation.sampling_params import SamplingParams
 
+# What `from protocol import ...` gets of this module (protocol/__init__.py star-imports it).
+# SamplingParams is generation's, re-exported: a RequestMessage carries one.
+__all__ = [
+    "BATCH_FIELD",
+    "BATCH_PRIORITY",
+    "MESSAGE_FIELD",
+    "NOOP_MODEL",
+    "PRIORITIES",
+    "PROTOCOL_VERSION",
+    "STOP_STRING",
+    "VERSION_FIELD",
+    "CancelMessage",
+    "Message",
+    "ModelCard",
+    "ProtocolError",
+    "ReplyMessage",
+    "RequestMessage",
+    "SamplingParams",
+    "decode_replies",
+    "encode_replies",
+    "pack_vector",
+    "unpack_vector",
+]
+
 PROTOCOL_VERSION = 1
 # The fields of every message's stream entry (or hash): the version, the message as JSON, and
 # in a reply stream's entry a batch of replies instead (encode_replies). protocol/queue adds one.

@@ -2,13 +2,16 @@
 
 Layers, top down: `jitney/` → `bench/`, `worker/` → `engine/`, `gateway/` → `scheduler/`,
 `protocol/` → `generation/` (what a token stream means) and `launch/` (local process
-management). Every import statement counts, lazy ones inside functions too.
+management). `research/` (probes, not installed) sits beside `bench/`: it may use what bench may,
+and nothing installed imports it. Every import statement counts, lazy ones inside functions too.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,20 @@ FORBIDDEN: dict[str, set[str]] = {
     "worker": {"gateway", "bench", "jitney", "aiohttp", "launch"},
     "gateway": {"torch", "engine", "worker", "bench", "jitney", "launch"},
     "bench": {"jitney"},
+    "jitney": set(),  # the top: it may import any installed package
+    # The probes are not installed: no installed package may import them (added below), and
+    # they run from a checkout beside bench/, on nothing above it (a test helper they need runs
+    # as a process of its own).
+    "research": {"jitney", "tests"},
 }
+# What `pip install` ships (pyproject.toml's packages): none of it may import the probes.
+INSTALLED = set(FORBIDDEN) - {"research"}
+FORBIDDEN = {
+    package: banned | {"research"} if package in INSTALLED else banned
+    for package, banned in FORBIDDEN.items()
+}
+# Every package of code the checks below read, installed or not.
+CODE = ["scheduler", "engine", "worker", "gateway", "bench", "research", "jitney", "tests"]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -57,6 +73,17 @@ def test_package_imports_nothing_above_or_beside_its_layer(package: str) -> None
         for name in sorted(imported_modules(path) & FORBIDDEN[package])
     ]
     assert not offences, "\n".join(offences)
+
+
+def test_the_installed_packages_are_the_layered_ones_and_leave_the_probes_out() -> None:
+    """pyproject.toml ships exactly the packages held above as installed; research/ is not
+    among them, so a wheel carries no probe."""
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    patterns = found["find"]["include"]
+    shipped = {pattern.removesuffix("*") for pattern in patterns}
+    assert shipped == INSTALLED
+    assert not any(fnmatch("research", pattern) for pattern in patterns)
+    assert (ROOT / "research" / "__init__.py").exists()
 
 
 def test_the_rule_sees_lazy_imports(tmp_path: Path) -> None:
@@ -133,12 +160,11 @@ def spelled_keys(path: Path) -> list[tuple[int, str]]:
 
 def test_only_the_wire_layer_spells_a_redis_key() -> None:
     """Key names come from protocol.Keys; no other module (tests included) writes one out."""
-    packages = ["scheduler", "engine", "worker", "gateway", "bench", "jitney", "tests"]
     # test_protocol checks the spelling itself; this file holds an example that must be caught.
     exempt = {ROOT / "tests" / "test_protocol.py", Path(__file__).resolve()}
     offences = [
         f"{path.relative_to(ROOT)}:{line}: {text!r}"
-        for package in packages
+        for package in CODE
         for path in sorted((ROOT / package).rglob("*.py"))
         if path not in exempt
         for line, text in spelled_keys(path)
@@ -179,10 +205,9 @@ def test_only_the_queue_module_spells_a_stream_script() -> None:
     """Every Lua script that touches a stream (enqueue, the backlog reading, the DRR read,
     publish/ack/refund) is protocol/queue's, which both ends import; other scripts (rate
     limits, batch state) touch no stream and stay beside the one module that owns their keys."""
-    packages = ["scheduler", "engine", "worker", "gateway", "bench", "jitney", "tests", "protocol"]
     offences = [
         f"{path.relative_to(ROOT)}:{line}: a script calling {command}"
-        for package in packages
+        for package in [*CODE, "protocol"]
         for path in sorted((ROOT / package).rglob("*.py"))
         if QUEUE_MODULE not in path.parents and path != Path(__file__).resolve()
         for line, command in spelled_stream_scripts(path)
@@ -230,7 +255,7 @@ def test_outside_the_engine_only_its_view_is_read() -> None:
     check invariants)."""
     offences = [
         f"{path.relative_to(ROOT)}:{line}: {read}"
-        for package in ["worker", "bench", "jitney", "gateway"]
+        for package in ["worker", "bench", "research", "jitney", "gateway"]
         for path in sorted((ROOT / package).rglob("*.py"))
         for line, read in engine_reach_ins(path)
     ]

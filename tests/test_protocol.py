@@ -42,6 +42,28 @@ from protocol.queue.calls import lookup_call, place_call
 from protocol.queue.placement import UNREAD_COUNT_BOUND, SummaryUpdate
 
 
+def test_the_package_exposes_its_modules_exports_and_no_stdlib_module():
+    """protocol/__init__.py star-imports keys and messages: only their `__all__` comes through,
+    so `protocol.json` or `protocol.os` does not resolve, and every module on the package is a
+    protocol submodule."""
+    import types
+
+    import protocol
+    from protocol import keys, messages
+
+    for name, value in vars(protocol).items():
+        if isinstance(value, types.ModuleType):
+            assert value.__name__ == f"protocol.{name}", name
+    exported = {
+        name
+        for name, value in vars(protocol).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert exported == set(keys.__all__) | set(messages.__all__)
+    for stdlib in ("json", "os", "re", "struct", "base64", "binascii", "dataclass", "Any"):
+        assert not hasattr(protocol, stdlib), stdlib
+
+
 def test_messages_round_trip_through_stream_fields():
     """encode() gives str fields; decode() accepts them as Redis returns them (bytes)."""
     req = RequestMessage(

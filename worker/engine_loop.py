@@ -39,7 +39,7 @@ from worker.metrics import WorkerMetrics
 from worker.prefix_summary import PrefixSummary
 from worker.recent_replies import RecentReplies
 from worker.redis_backoff import RedisBackoff
-from worker.redis_io import Entry, EntryRef, WorkerRedis
+from worker.redis_io import Entry, EntryRef, PublishResult, WorkerRedis
 from worker.request_book import RequestBook
 from worker.service_config import ServiceConfig
 from worker.takeover import Takeover
@@ -54,7 +54,6 @@ WAITING_POLL_MS = 5
 # This many failed steps in a row (none succeeding in between) and the worker exits non-zero:
 # the device is broken, not a request (a poison request fails at most MAX_DELIVERIES times).
 MAX_CONSECUTIVE_STEP_FAILURES = 10
-SUMMARY_LOST = 2  # WorkerRedis.publish: applied, but the prefix summary was gone from Redis
 
 
 @dataclass(slots=True)
@@ -204,11 +203,11 @@ class WorkerService:
             status = self.io.publish(outbox)
             self.metrics.observe_publish(time.perf_counter() - start)
             self.book.clear_outbox()
-            if not status:
+            if status is PublishResult.FENCED:
                 self._on_fenced()
                 return
             self.recent.published(outbox.replies, outbox.gone_streams, time.monotonic())
-            if status == SUMMARY_LOST:
+            if status is PublishResult.SUMMARY_LOST:
                 self.io.placement_lost = True
 
     def _summarize(self) -> None:

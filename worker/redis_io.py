@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import NamedTuple
 
 import redis
@@ -146,6 +147,14 @@ def published_history(replies: Sequence[ReplyMessage]) -> list[ReplyMessage] | N
     if [reply.seq for reply in ordered] != list(range(len(ordered))):
         return None
     return ordered
+
+
+class PublishResult(IntEnum):
+    """What `WorkerRedis.publish` did: the PUBLISH script's return value (protocol/queue)."""
+
+    FENCED = 0  # nothing written: another worker took this one's requests over
+    APPLIED = 1
+    SUMMARY_LOST = 2  # applied, but the prefix summary was gone (Redis lost it): send it afresh
 
 
 class WorkerRedis:
@@ -420,9 +429,8 @@ class WorkerRedis:
         flags = pipe.execute()
         return [bool(n) for n in flags[1 if prompt_tokens else 0 :]]
 
-    def publish(self, outbox: Outbox) -> int:
-        """Apply one step's writes atomically: 1; 0 (nothing written) if this worker is fenced;
-        2 when its prefix summary was gone (Redis lost it): it must be sent afresh."""
+    def publish(self, outbox: Outbox) -> PublishResult:
+        """Apply one step's writes atomically (unless this worker is fenced)."""
         call = publish_call(
             self.keys,
             self.worker_id,
@@ -433,7 +441,7 @@ class WorkerRedis:
             [(self.queue_of(queue), tokens) for queue, tokens in outbox.refunds],
             outbox.summary,
         )
-        return int(self._publish(keys=call.keys, args=call.args))
+        return PublishResult(int(self._publish(keys=call.keys, args=call.args)))
 
     # ----- taking over orphaned work -------------------------------------------------------
     def roster(self, lease_s: float) -> Roster:

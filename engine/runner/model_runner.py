@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -153,6 +154,19 @@ def _require_cpu_float32(model: PreTrainedModel, quantization: str) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """One step's inputs as `ModelRunner.prepare` built them, for `ModelRunner.forward`."""
+
+    metadata: AttentionMetadata  # the packed input ids and the attention's layout, on the device
+    # Each sequence's context length when the step is one the decode graphs take (decodes only,
+    # a shape they fit); None: the step runs eagerly.
+    graph_ctx: list[int] | None = None
+    # Rows of the packed tokens whose final-norm hidden states `forward` returns (pooling);
+    # None: none.
+    hidden_rows: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(self, forward: ModelForward, kv_cache: PagedKVCache):
         self.model_forward = forward
@@ -162,8 +176,6 @@ class ModelRunner:
         self.batch = InputBatch(self.device)
         # Decode-only steps at padded shapes (CUDA graphs); None: every step eager.
         self.graphs: DecodeGraphs | None = None
-        self._graph_ctx: list[int] | None = None  # set by prepare for a step graphs take
-        self._hidden_rows: torch.Tensor | None = None  # set by prepare for a pooling step
 
     def enable_decode_graphs(
         self, max_batch: int, max_model_len: int, capture: GraphCapture | None
@@ -189,7 +201,7 @@ class ModelRunner:
         block_ids: Callable[[str], list[int]],
         prompt_rows: Mapping[str, int] | None = None,
         hidden_rows: Mapping[str, tuple[int, int]] | None = None,
-    ) -> AttentionMetadata:
+    ) -> PreparedStep:
         """The packed inputs of every chunk of `plan`, on the device, for `forward`.
         `block_ids(seq_id)` is the sequence's live block list: the same object for as long as
         its allocation lives (see InputBatch.row). `prompt_rows[seq_id] = k`: that sequence's
@@ -228,15 +240,15 @@ class ModelRunner:
             layout.append((chunk.start + chunk.num_draft_tokens, 1, blocks))
             keys.append(chunk.seq_id)
             sample.append(True)
-        self._graph_ctx = None
-        self._hidden_rows = device_tensor(hidden, self.device, torch.int64) if hidden else None
+        hidden_ids = device_tensor(hidden, self.device, torch.int64) if hidden else None
+        graph_ctx = None
         if self.graphs is not None and not any(
             c.is_prefill or c.num_draft_tokens for c in plan.chunks
         ):
             ctx_lens = [c.start + 1 for c in plan.chunks]
             if self.graphs.fits(len(ctx_lens), max(ctx_lens)):
-                self._graph_ctx = ctx_lens
-        return AttentionMetadata.build(
+                graph_ctx = ctx_lens
+        metadata = AttentionMetadata.build(
             layout,
             self.kv_cache,
             sample=sample,
@@ -245,14 +257,14 @@ class ModelRunner:
             input_ids=input_ids,
             prompt_rows=wanted,
         )
+        return PreparedStep(metadata, graph_ctx, hidden_ids)
 
-    def forward(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over the prepared chunks: float32 logits [S, vocab], one row per chunk that
         samples, in chunk order (then the prompt rows `prepare` was asked for), and the hidden
         rows `prepare` was asked for (None: none). On CUDA it returns before the kernels
         finish."""
-        ctx_lens, self._graph_ctx = self._graph_ctx, None
-        hidden_rows, self._hidden_rows = self._hidden_rows, None
+        metadata, ctx_lens, hidden_rows = step.metadata, step.graph_ctx, step.hidden_rows
         if hidden_rows is not None:  # a step with prefill chunks: never a graph's
             assert metadata.input_ids is not None
             logits, hidden = self.model_forward.with_hidden(

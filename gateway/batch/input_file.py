@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.openai.completion_bodies import Kind
 from gateway.openai.errors import ApiError, bad_request
-from gateway.openai.response_bodies import Kind
 
 ENDPOINTS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 MAX_CUSTOM_ID = 512

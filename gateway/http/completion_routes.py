@@ -18,9 +18,9 @@ from aiohttp import web
 from gateway.app_state import GATEWAY
 from gateway.http.auth import CLIENT
 from gateway.http.ratelimit import charge_tokens
+from gateway.openai.completion_bodies import Kind
 from gateway.openai.errors import shutting_down
 from gateway.openai.request_models import GenerationRequest
-from gateway.openai.response_bodies import Kind
 from gateway.openai.validation import parse_json
 from gateway.serving.gateway_state import Gateway
 from gateway.serving.relay import Relay

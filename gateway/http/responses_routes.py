@@ -4,7 +4,7 @@ A request runs as the chat completion it translates to (gateway.openai.responses
 the chat route's own path (request_path.prepare_parsed, then completion_routes.enqueue: the same
 queue, auth, rate limits, priorities and fair share); its replies become a response object or
 its event stream (gateway.serving.responses_relay). A stored response (store: true, the default)
-belongs to the API key that made it (gateway.serving.response_store): to any other key it does
+belongs to the API key that made it (gateway.serving.responses_store): to any other key it does
 not exist, so reading, continuing (previous_response_id) or deleting it is a 404.
 """
 
@@ -26,8 +26,8 @@ from gateway.openai.validation import parse_json
 from gateway.serving.gateway_state import Gateway
 from gateway.serving.relay import Relay
 from gateway.serving.request_path import prepare_parsed
-from gateway.serving.response_store import ResponseStore, owner_of
 from gateway.serving.responses_relay import ResponseReply, collect, stream
+from gateway.serving.responses_store import ResponseStore, owner_of
 
 # GET's query options OpenAI has for background responses, which this server never runs.
 UNSUPPORTED_QUERY = ("include", "include[]", "starting_after")

@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from gateway.openai.response_bodies import Kind
+from gateway.openai.completion_bodies import Kind
 
 
 @dataclass(slots=True)

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from gateway.openai.choices import NORMAL_FINISH
 from gateway.openai.embedding_models import (
     EmbeddingRequest,
@@ -35,10 +33,10 @@ from gateway.openai.embedding_models import (
     finish_vector,
     parse_embedding,
 )
-from gateway.openai.errors import ApiError, bad_request, redis_unavailable
+from gateway.openai.errors import ApiError, bad_request
 from gateway.serving import tracing
-from gateway.serving.backlog import Queue
 from gateway.serving.gateway_state import Gateway
+from gateway.serving.queue_entries import QueueEntries
 from gateway.serving.relay import EXPIRY_GRACE_S, final_error, idle_timeout_error
 from gateway.serving.served_models import ServedModel
 from generation import SamplingParams
@@ -102,44 +100,39 @@ async def run(
     backlog = gw.backlog(job.model.name)
     await backlog.admit(job.num_prompt_tokens)  # from here to register(): no await (atomic)
     request_id = "embd-" + uuid.uuid4().hex
-    several = len(job.inputs) > 1
-    flights = [
-        gw.router.register(f"{request_id}-{i}" if several else request_id, len(ids), priority)
-        for i, ids in enumerate(job.inputs)
-    ]
+    queued = QueueEntries.register(gw, backlog, request_id, job.inputs, priority, key_id, weight)
+    flights = queued.in_flight
     replies: asyncio.Queue[ReplyMessage] = asyncio.Queue()
     for flight in flights:
         flight.queue = replies  # before XADD: no reply can have arrived yet
-    queue = Queue(priority, key_id if weight else None, weight or 1)
-    stream = backlog.queue(queue)
+    stream = backlog.queue(queued.queue)
     finals: dict[str, ReplyMessage] = {}
-    sent = 0  # entries maybe in the stream: a client gone during XADD still cancels them
+    now = time.time()
+    timeout = gw.config.request_timeout
+
+    async def xadd(i: int) -> None:
+        # To the model's queue itself, with the request's span (gateway.serving.queue_entries
+        # says how this differs from a generation entry).
+        flight, ids = flights[i], job.inputs[i]
+        message = RequestMessage(
+            flight.request_id,
+            job.model.name,
+            ids,
+            EMBED_SAMPLING,
+            gw.reply_stream,
+            gw.config.gateway_id,
+            now,
+            None if timeout is None else now + timeout,
+            priority,
+            key_id,
+            embed=True,
+            trace_context=tracing.carrier(),  # the request's span (None: tracing off)
+        )
+        flight.request_stream = stream
+        flight.entry_id = await backlog.enqueue(message, queued.queue, len(ids) + 1)
+
     try:
-        now = time.time()
-        timeout = gw.config.request_timeout
-        for flight, ids in zip(flights, job.inputs, strict=True):
-            message = RequestMessage(
-                flight.request_id,
-                job.model.name,
-                ids,
-                EMBED_SAMPLING,
-                gw.reply_stream,
-                gw.config.gateway_id,
-                now,
-                None if timeout is None else now + timeout,
-                priority,
-                key_id,
-                embed=True,
-                trace_context=tracing.carrier(),  # the request's span (None: tracing off)
-            )
-            flight.request_stream = stream
-            sent += 1
-            try:
-                flight.entry_id = await backlog.enqueue(message, queue, len(ids) + 1)
-            except RedisError:
-                sent -= 1  # undo the admission of the inputs not in the stream
-                backlog.release(sum(len(ids) for ids in job.inputs[sent:]))
-                raise redis_unavailable() from None
+        await queued.send(xadd)
         await _collect(gw, len(flights), replies, finals)
         items = [
             embedding_item(i, _vector(finals[f.request_id], job.parsed), job.parsed.encoding_format)
@@ -147,13 +140,10 @@ async def run(
         ]
         return request_id, embedding_body(job.model.name, items, job.num_prompt_tokens)
     finally:
-        for flight in flights:
-            gw.router.unregister(flight.request_id)
-        for flight in flights[:sent]:  # an input failed, client gone, timeout: stop the rest
-            if flight.request_id not in finals:
-                gw.cancel_later(flight.request_id, "client_gone")
-        if sent:  # what the key used (tenants' shares, billing)
-            used = sum(len(ids) for ids in job.inputs[:sent])
+        # An input failed, client gone, timeout: stop the rest.
+        queued.close(lambda i: None if flights[i].request_id in finals else "client_gone")
+        if queued.sent:  # what the key used (tenants' shares, billing)
+            used = sum(len(ids) for ids in job.inputs[: queued.sent])
             gw.metrics.key_tokens.labels(key_id or "-", job.model.name, "prompt").inc(used)
 
 

@@ -22,8 +22,9 @@ from typing import Any
 from aiohttp import web
 
 from gateway.openai.choices import NORMAL_FINISH, Choice, Delta
+from gateway.openai.completion_bodies import Responder, usage
 from gateway.openai.errors import ApiError
-from gateway.openai.response_bodies import DONE, KEEPALIVE, Responder, sse, usage
+from gateway.openai.sse import DONE, KEEPALIVE, sse
 from gateway.serving.gateway_state import Gateway
 from gateway.serving.reply_router import InFlight
 from gateway.serving.served_models import ServedModel

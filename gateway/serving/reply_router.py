@@ -84,10 +84,6 @@ class ReplyRouter:
         self.healthy = False  # the last read succeeded
         self._outage = False  # a read failed since the last check for lost requests
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
     def register(self, request_id: str, prompt_tokens: int, priority: int = 0) -> InFlight:
         entry = InFlight(request_id, prompt_tokens, priority=priority)
         self._in_flight[request_id] = entry

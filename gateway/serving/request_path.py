@@ -26,11 +26,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
-
 from gateway.openai import tools
 from gateway.openai.choices import Choice, Echo
-from gateway.openai.errors import bad_request, redis_unavailable
+from gateway.openai.completion_bodies import Kind, Responder
+from gateway.openai.errors import bad_request
 from gateway.openai.logprobs_format import LogprobsFormatter
 from gateway.openai.request_models import (
     ChatCompletionRequest,
@@ -39,12 +38,11 @@ from gateway.openai.request_models import (
     parse_chat,
     parse_completion,
 )
-from gateway.openai.response_bodies import Kind, Responder
 from gateway.openai.structured_outputs import Grammar, compile_error
 from gateway.openai.tool_parser import ToolStream
 from gateway.serving import tracing
-from gateway.serving.backlog import Queue
 from gateway.serving.gateway_state import Gateway
+from gateway.serving.queue_entries import QueueEntries
 from gateway.serving.relay import PromptEntry, Relay
 from gateway.serving.served_models import ServedModel
 from generation import SamplingParams
@@ -144,54 +142,44 @@ async def submit(
     await backlog.admit(job.num_prompt_tokens)  # from here to register(): no await (atomic)
 
     responder = Responder(job.kind, job.model.name, parsed.include_usage, id=request_id)
-    entries = _entries(gw, job, responder.request_id, priority)
+    queued = QueueEntries.register(
+        gw, backlog, responder.request_id, job.prompts, priority, key_id, weight
+    )
+    entries = [
+        PromptEntry(flight.request_id, flight, _choices(job, i, keep=not parsed.stream), len(ids))
+        for i, (flight, ids) in enumerate(zip(queued.in_flight, job.prompts, strict=True))
+    ]
     relay = Relay(gw, job.model, responder, entries, received)
-    queue = Queue(priority, key_id if weight else None, weight or 1)
-    tried: list[PromptEntry] = []  # maybe enqueued: a client gone during XADD still cancels
+    now = time.time()
+
+    async def xadd(i: int) -> None:
+        entry, prompt_ids = entries[i], job.prompts[i]
+        with tracing.enqueue_span(entry.request_id) as span:
+            message = _message(gw, job, entry.request_id, prompt_ids, now, priority, key_id)
+            cost = job.prompt_cost(prompt_ids)
+            # On the worker holding the prompt's start, when placement finds one.
+            stream, entry_id = await backlog.place(message, queued.queue, cost)
+            tracing.set_attributes(span, **{tracing.STREAM: stream})
+        entry.in_flight.request_stream, entry.in_flight.entry_id = stream, entry_id
+
+    def cancel_reason(i: int) -> str | None:  # stop string, client gone, timeout, another failed
+        entry = entries[i]
+        if entry.finished:
+            return None
+        return STOP_STRING if entry.complete else "client_gone"
+
     try:
-        now = time.time()
-        try:
-            for entry, prompt_ids in zip(entries, job.prompts, strict=True):
-                with tracing.enqueue_span(entry.request_id) as span:
-                    message = _message(gw, job, entry.request_id, prompt_ids, now, priority, key_id)
-                    tried.append(entry)
-                    cost = job.prompt_cost(prompt_ids)
-                    # On the worker holding the prompt's start, when placement finds one.
-                    stream, entry_id = await backlog.place(message, queue, cost)
-                    tracing.set_attributes(span, **{tracing.STREAM: stream})
-                entry.in_flight.request_stream, entry.in_flight.entry_id = stream, entry_id
-        except RedisError:
-            tried.pop()
-            # Undo the admission of the prompts not in the stream (a reading counts the rest).
-            backlog.release(sum(e.num_prompt for e in entries[len(tried) :]))
-            raise redis_unavailable() from None
+        await queued.send(xadd)
         return await deliver(relay)
     finally:
-        for entry in entries:
-            gw.router.unregister(entry.request_id)
-        if tried:  # what the key used, finished or not (tenants' shares, billing)
+        queued.close(cancel_reason)
+        if queued.sent:  # what the key used, finished or not (tenants' shares, billing)
             used = relay.usage()
             tokens = gw.metrics.key_tokens
             tokens.labels(key_id or "-", job.model.name, "prompt").inc(used["prompt_tokens"])
             tokens.labels(key_id or "-", job.model.name, "completion").inc(
                 used["completion_tokens"]
             )
-        for entry in tried:  # stop string, client gone, timeout, another failed: stop the work
-            if not entry.finished:
-                gw.cancel_later(entry.request_id, STOP_STRING if entry.complete else "client_gone")
-
-
-def _entries(gw: Gateway, job: Job, request_id: str, priority: int) -> list[PromptEntry]:
-    """One entry per prompt, registered for its replies: the request's id, or `<id>-<i>` for
-    prompt i of several."""
-    several = len(job.prompts) > 1
-    entries = []
-    for i, prompt_ids in enumerate(job.prompts):
-        rid = f"{request_id}-{i}" if several else request_id
-        in_flight = gw.router.register(rid, len(prompt_ids), priority)
-        choices = _choices(job, i, keep=not job.parsed.stream)
-        entries.append(PromptEntry(rid, in_flight, choices, len(prompt_ids)))
-    return entries
 
 
 def _message(

@@ -18,11 +18,11 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway.openai.errors import ApiError
-from gateway.openai.response_bodies import KEEPALIVE, sse
 from gateway.openai.responses_items import STORED_ITEMS
 from gateway.openai.responses_output import ResponseBuilder, usage
+from gateway.openai.sse import KEEPALIVE, sse
 from gateway.serving.relay import SSE_HEADERS, Relay, final_error
-from gateway.serving.response_store import ResponseStore
+from gateway.serving.responses_store import ResponseStore
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 `jitney bench serve`: load against a live service over the OpenAI streaming API.
 `jitney bench report`: the key series from Prometheus over a time range, as PNG + JSON.
 `jitney bench placement`: a multi-turn trace over one worker and N workers, placement off and on.
-`jitney bench busy`: each system's tokens/s quiet and beside a spinning process, as a ratio."""
+`jitney bench busy`: each system's tokens/s quiet and beside a spinning process, as a ratio.
+`jitney bench queue`: what one Redis and one gateway carry, with noop workers.
+The modules are bench/'s (bench/README.md); research probes are research/'s, not installed."""
 
 from __future__ import annotations
 
@@ -431,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
     report["command"] = recorded_command()
     report["threads"] = {"count": threads.count, "source": threads.source}
     print(report["table"])
+    print(f"warm-up: {report['warmup']}")
     print()
     print(report["phase_table"])
     if report["draft_table"]:

@@ -391,7 +391,8 @@ return {listed, out}
 
 # One step's replies and acks, applied atomically unless this worker has been fenced (another
 # worker judged it dead and took its requests over): a fenced worker's late writes would
-# interleave with its successor's. Returns 0 when fenced, 1 when applied.
+# interleave with its successor's. Returns 0 when fenced, 1 when applied, 2 when applied but the
+# prefix summary was gone (below); worker/redis_io.py's PublishResult names them.
 # KEYS: fence flag, the model's queue deficits. ARGV: group, reply maxlen, then operations:
 #   R stream nomkstream(0|1) v b   (one XADD: a gateway's replies of this step, as a batch)
 #   A queue entry_id               (XACK + XDEL of a request queue's entry)

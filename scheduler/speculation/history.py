@@ -5,7 +5,7 @@ requests repeat too: its stock phrases, answers to templated or repeated questio
 JSON keys, an agent's boilerplate (SuffixDecoding, Oliaro et al. 2024, speculates from a global
 tree of earlier outputs for this reason). In the last 40% of mixed-64's two longest replies the
 bundled model keeps 1.09-1.13 tokens a step from their own text even with every draft verified
-free, and 1.78-2.29 with the other replies' n-grams as well (`python -m bench.speculation_ceiling
+free, and 1.78-2.29 with the other replies' n-grams as well (`python -m research.speculation_ceiling
 --trace ../shared/traces/mixed-64.json --history 6`; docs/notes/drafts.md).
 
 The index maps each n-gram (`min_order`..`order` tokens) of the latest `capacity` finished

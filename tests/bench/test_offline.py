@@ -174,3 +174,36 @@ def test_speculation_shows_its_acceptance_and_the_tail_beside_plain_decoding(tmp
         assert reports[name]["draft_table"].startswith("jitney-continuous: decode steps by")
     assert plain["extra"]["steps_by_drafts"] is None and reports["none"]["draft_table"] == ""
     assert "decode steps by drafts verified" in printed
+
+
+def test_the_measured_prefill_of_a_one_request_trace_is_not_served_from_the_prefix_cache(
+    tmp_path, capsys
+):
+    """The warm-up runs on a prompt outside the trace, so the one request's prompt (five blocks)
+    is computed in the measured run, not taken from the cache; the report says so."""
+    prompt = [3 + (7 * k) % 270 for k in range(80)]
+    trace = write_trace(tmp_path / "one.json", [prompt], [4])
+    out = tmp_path / "report.json"
+    args = ["bench", "offline", "--model", "tiny-random", "--kv-cache-memory", "16MiB"]
+    args += ["--trace", str(trace), "--baseline", "none", "--output", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["results"]
+    assert run["extra"]["prefix_cache_hit_tokens"] == 0
+    assert run["output_tokens"] == 4
+    assert "not in the trace" in report["warmup"]
+    assert f"warm-up: {report['warmup']}" in capsys.readouterr().out
+
+
+def test_the_warmup_prompt_shares_no_prefix_cache_block_with_the_trace():
+    """As long as the first request, and none of its chained block hashes is any request's."""
+    from bench.offline import warmup_prompt
+    from bench.trace import TraceRequest
+    from generation.block_hash import prompt_block_hashes
+
+    prompts = [[0, *range(5, 40)], [1, *range(5, 40)], [0, 2, 9], [3] * 33]
+    requests = [TraceRequest(f"r{i}", p, 4) for i, p in enumerate(prompts)]
+    warm = warmup_prompt(requests)
+    assert len(warm) == len(prompts[0]) and warm[0] == 2 and warm[1:] == prompts[0][1:]
+    trace_hashes = {h for p in prompts for h in prompt_block_hashes(p, 4)}
+    assert not set(prompt_block_hashes(warm, 4)) & trace_hashes

@@ -1,5 +1,5 @@
 """Tracing on the real system: a gateway and two workers export OTLP/HTTP to a real receiver
-(bench/otlp_receiver.py, decoding with opentelemetry-proto), and one trace crosses HTTP, Redis
+(tests/otlp_receiver.py, decoding with opentelemetry-proto), and one trace crosses HTTP, Redis
 and the workers, a takeover included. Off (no endpoint), nothing of the SDK is even loaded."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from bench.otlp_receiver import OtlpReceiver, ReceivedSpan
 from protocol import WORKER_GROUP, Keys, RequestMessage
 from protocol.tracing import extract, inject, tracing_enabled
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.service.helpers import MODEL
 from tests.services import Worker, running_system, wait_for
 

@@ -1,5 +1,5 @@
 """The worker's spans of a request's life, on a real engine driven as the loop drives it
-(bench/tracing_cost.py's `admit` and `step`): chunked prefills, preemptions under a KV pool too
+(research/tracing_cost.py's `admit` and `step`): chunked prefills, preemptions under a KV pool too
 small for the batch, finishes. The SDK's in-memory exporter keeps what a real exporter would
 send."""
 
@@ -14,11 +14,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from bench.tracing_cost import PARENT, Round, admit, step
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
 from engine.models.model_loader import LoadedModel, load_model
 from generation.sampling_params import SamplingParams
+from research.tracing_cost import PARENT, Round, admit, step
 from worker.metrics import WorkerMetrics
 from worker.request_book import RequestBook
 from worker.tracing import WorkerTraces

@@ -22,7 +22,7 @@ from protocol.queue.placement import (
     SummaryUpdate,
 )
 from tests.service.helpers import MODEL
-from worker.redis_io import STEAL_CHECK_S, EntryRef, Outbox, WorkerRedis
+from worker.redis_io import STEAL_CHECK_S, EntryRef, Outbox, PublishResult, WorkerRedis
 
 KEYS = Keys()
 CARD = ModelCard(MODEL, 64, [0], "{}")
@@ -47,7 +47,7 @@ def summarize(io: WorkerRedis, prompt: list[int], room: int = 4, waiting: int = 
     hashes = [summary_hash(h) for h in prompt_block_hashes(prompt, BLOCK)]
     load = {ROOM_FIELD: room, WAITING_FIELD: waiting, BLOCK_SIZE_FIELD: BLOCK}
     update = SummaryUpdate(io.summary_key, 5000, reset=True, added=hashes, load=load)
-    assert io.publish(Outbox(summary=update)) == 1
+    assert io.publish(Outbox(summary=update)) is PublishResult.APPLIED
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ async def test_a_leaving_worker_s_entries_are_taken_at_once_and_its_empty_stream
     stream, entry_id = await monitor.place(message("t", history), Queue(), cost=30)
     w1.withdraw_summary()  # SIGTERM: no more placements, and what waits is anyone's
     assert [e.entry_id for e in w2.read_requests(4, None)] == [entry_id]
-    assert w2.publish(Outbox(acks=[EntryRef(stream, entry_id)])) == 1  # served
+    assert w2.publish(Outbox(acks=[EntryRef(stream, entry_id)])) is PublishResult.APPLIED  # served
     time.sleep(STEAL_CHECK_S)  # the next look at others' streams finds it empty: dropped
     assert w2.read_requests(4, None) == []
     assert r.zscore(KEYS.queues(MODEL), stream) is None and not r.exists(stream)
@@ -178,7 +178,9 @@ async def test_fair_share_charges_and_refunds_the_queue_not_the_own_stream(redis
     assert stream not in deficits and deficits[base] == 1 - 50  # a quantum of 1, then a charge
     placed = next(e for e in got if e.queue == stream)
     assert w1.queue_of(stream) == base
-    assert w1.publish(Outbox(refunds=[(stream, entry_cost(placed.fields))])) == 1
+    assert (
+        w1.publish(Outbox(refunds=[(stream, entry_cost(placed.fields))])) is PublishResult.APPLIED
+    )
     assert int(r.hget(KEYS.queue_deficits(MODEL), base)) == 0  # refunded, never past 0
 
 
@@ -190,14 +192,15 @@ def test_the_summary_s_changes_ride_on_the_publish_and_a_lost_one_asks_to_be_res
     key = io.summary_key
     added = [b"12345678", b"abcdefgh"]
     update = SummaryUpdate(key, 5000, reset=True, added=added, load={"room": 2})
-    assert io.publish(Outbox(summary=update)) == 1
+    assert io.publish(Outbox(summary=update)) is PublishResult.APPLIED
     assert r.hgetall(key) == {b"12345678": b"", b"abcdefgh": b"", b"room": b"2"}
     assert 4000 < r.pttl(key) <= 5000
     update = SummaryUpdate(key, 5000, removed=[b"12345678"], load={"waiting": 1})
-    assert io.publish(Outbox(summary=update)) == 1
+    assert io.publish(Outbox(summary=update)) is PublishResult.APPLIED
     assert r.hgetall(key) == {b"abcdefgh": b"", b"room": b"2", b"waiting": b"1"}
     r.pexpire(key, 100)
     assert io.heartbeat(CARD) and r.pttl(key) > 4000  # renewed with the lease
     r.delete(key)  # Redis lost it: a partial summary is not rebuilt from changes
-    assert io.publish(Outbox(summary=SummaryUpdate(key, 5000, added=[b"zzzzzzzz"]))) == 2
+    lost = io.publish(Outbox(summary=SummaryUpdate(key, 5000, added=[b"zzzzzzzz"])))
+    assert lost is PublishResult.SUMMARY_LOST
     assert not r.exists(key)

@@ -9,7 +9,7 @@ from gateway.serving.backlog import BacklogMonitor
 from protocol import WORKER_GROUP, Keys, ModelCard, ReplyMessage, decode_replies
 from tests.service.helpers import MODEL
 from tests.services import RedisServer
-from worker.redis_io import Outbox, WorkerRedis
+from worker.redis_io import Outbox, PublishResult, WorkerRedis
 
 KEYS = Keys()
 REQUESTS = KEYS.requests(MODEL)
@@ -31,7 +31,7 @@ def script_calls(r: redis.Redis) -> tuple[int, int, int]:
     return stats.get("cmdstat_eval", {}).get("calls", 0), evalsha["calls"], evalsha["failed_calls"]
 
 
-def publish_reply(io: WorkerRedis, seq: int) -> bool:
+def publish_reply(io: WorkerRedis, seq: int) -> PublishResult:
     reply = ReplyMessage("cmpl-1", seq, token_ids=[seq])
     return io.publish(Outbox(replies=[(KEYS.replies("gw"), reply)]))
 
@@ -41,12 +41,12 @@ def test_worker_scripts_survive_a_redis_restart(redis_server):
     the card lost with the data is republished, and no call ever sends the script source."""
     r = redis_server.client()
     io = WorkerRedis(redis_server.client(), KEYS, "w1", MODEL)
-    assert io.heartbeat(CARD) and publish_reply(io, 0)
+    assert io.heartbeat(CARD) and publish_reply(io, 0) is PublishResult.APPLIED
     restart_empty(redis_server)
     assert not r.exists(KEYS.model(CARD.name))
     assert io.heartbeat(CARD)  # NOSCRIPT -> SCRIPT LOAD -> EVALSHA, inside redis-py
     assert r.exists(KEYS.model(CARD.name)) and r.zscore(KEYS.workers, "w1") is not None
-    assert publish_reply(io, 1)
+    assert publish_reply(io, 1) is PublishResult.APPLIED
     # The restart emptied the reply stream: only the second reply is there.
     entries = r.xrange(KEYS.replies("gw"))
     assert [reply.seq for _, f in entries for reply in decode_replies(f)] == [1]
@@ -64,7 +64,7 @@ def test_fenced_worker_scripts_refuse_after_a_restart(redis_server):
     r.set(KEYS.fenced("w1"), 1)
     assert not io.heartbeat(CARD)
     assert r.zscore(KEYS.workers, "w1") is None
-    assert not publish_reply(io, 0)
+    assert publish_reply(io, 0) is PublishResult.FENCED
     assert not r.exists(KEYS.replies("gw"))
 
 

@@ -44,7 +44,7 @@ namespace jitney_kernels {
 namespace {
 
 // NOTE: from this many tokens on a linear takes its batched path, per instruction set and kind;
-// measured with `python -m bench.kernels --crossover` (docs/performance.md has the tables): with
+// measured with `python -m research.kernels --crossover` (docs/performance.md has the tables): with
 // AMX, the one-pass kernel (tiles of up to 8 tokens) is faster up to 8 tokens and the bf16 tiles
 // from 9 (2 threads); on Zen 3's AVX2, the float one pass (unpacking each record once per tile of
 // 4 tokens) lost to panels + sgemm from 64-96 tokens on the Q4_1 shapes and from 256 on the Q8_0

@@ -19,8 +19,13 @@ from engine.layers.quantized import COVERED_KINDS, uncovered_kinds
 from engine.models.forward import ModelForward, TransformersForward
 from engine.models.gguf_weights import GGUFTensor, read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
-from engine.models.model_loader import LoadedModel
-from engine.models.weight_sources import GGUFWeights, Int8Weights, StateDictWeights
+from engine.models.loaded_model import LoadedModel
+from engine.models.weight_sources import (
+    GGUFWeights,
+    Int8Weights,
+    StateDictWeights,
+    WeightSource,
+)
 from engine.runner.decode_graphs import DecodeGraphs, GraphCapture, width_bucket
 from engine.runner.input_batch import InputBatch
 from scheduler import Sequence, StepPlan
@@ -52,13 +57,10 @@ def resolve_forward(
     (`--compile`): Jitney's dense forward with its layers' halves compiled by torch.compile.
     Returns the forward and its name ("jitney-gguf", "jitney-none", "transformers", ...). Built
     once per loaded model and kept on it, so engines sharing a loaded model share its forward
-    (and Jitney's dense one shares the transformers model's weights)."""
-    model = loaded.model
-    why_not = (
-        unsupported_because(model.config)
-        if isinstance(model, PreTrainedModel)
-        else "not a transformers model (noop)"
-    )
+    (and Jitney's dense one shares the transformers model's weights). The choice reads the
+    model's description (`loaded.config`, device, dtype); only the dense forwards build (or
+    use) its transformers model."""
+    why_not = jitney_unsupported_because(loaded)
     if quantization == "auto":
         quantization = resolve_quantization(loaded, impl, why_not)
     if (impl == "jitney" or quantization != "none") and why_not is not None:
@@ -71,27 +73,35 @@ def resolve_forward(
         )
     name = f"jitney-{quantization}" if use_jitney else "transformers"
     name += "-compiled" if compiled else ""
-    forwards: dict[str, ModelForward] = model.__dict__.setdefault("_jitney_forwards", {})
+    forwards: dict[str, ModelForward] = loaded.dense.forwards
     if name not in forwards:
+        # Only the dense forwards need the transformers model (built here on first use).
         if not use_jitney:
-            forwards[name] = TransformersForward(model)
+            forwards[name] = TransformersForward(loaded.model)
         elif quantization == "gguf":
             forwards[name] = _gguf_forward(loaded)
         elif quantization == "int8":
             forwards[name] = _int8_forward(loaded)
         else:
-            forwards[name] = LlamaForward.from_transformers(model, compiled)
+            forwards[name] = LlamaForward.from_transformers(loaded.model, compiled)
     return name, forwards[name]
+
+
+def jitney_unsupported_because(loaded: LoadedModel) -> str | None:
+    """Why Jitney's forward cannot run `loaded` (None: it can), from its description."""
+    built = loaded.built_model
+    if built is not None and not isinstance(built, PreTrainedModel):
+        return "not a transformers model (noop)"
+    return unsupported_because(loaded.config)
 
 
 def resolve_quantization(loaded: LoadedModel, impl: str, why_not: str | None) -> str:
     """`--quantization auto`: "gguf" for a GGUF model whose projections are all in block types
     the kernels cover, on Jitney's forward, on the CPU in float32 (measured: 5x a dense float32
     step at one sequence, 3x at 64; docs/performance.md); "none" (dense, exact) otherwise."""
-    model = loaded.model
     if loaded.gguf_path is None or impl == "transformers" or why_not is not None:
         return "none"
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+    if loaded.device.type != "cpu" or loaded.dtype != torch.float32:
         return "none"
     _, tensors = read_gguf_tensors(loaded.gguf_path)
     missing = uncovered_kinds(tensors)
@@ -102,13 +112,12 @@ def resolve_quantization(loaded: LoadedModel, impl: str, why_not: str | None) ->
 
 
 def _gguf_forward(loaded: LoadedModel) -> LlamaForward:
-    """Jitney's forward on the blocks of the GGUF file `loaded` was converted from."""
-    model = loaded.model
+    """Jitney's forward on the blocks of `loaded`'s GGUF file."""
     if loaded.gguf_path is None:
         raise ValueError(f"quantization gguf needs a GGUF model; {loaded.name} is not one")
-    _require_cpu_float32(model, "gguf")
+    _require_cpu_float32(loaded, "gguf")
     _, tensors = read_gguf_tensors(loaded.gguf_path)
-    return LlamaForward(model.config, gguf_block_weights(tensors), fused_ops=True)
+    return LlamaForward(loaded.config, gguf_block_weights(tensors), fused_ops=True)
 
 
 def gguf_block_weights(tensors: Mapping[str, GGUFTensor]) -> GGUFWeights:
@@ -124,18 +133,23 @@ def gguf_block_weights(tensors: Mapping[str, GGUFTensor]) -> GGUFWeights:
 
 
 def _int8_forward(loaded: LoadedModel) -> LlamaForward:
-    """Jitney's forward on int8 blocks made from the loaded model's own dense weights."""
-    model = loaded.model
-    _require_cpu_float32(model, "int8")
-    dense = StateDictWeights(dict(model.named_parameters()))
-    return LlamaForward(model.config, Int8Weights(dense), fused_ops=True)
+    """Jitney's forward on int8 blocks made from the model's dense weights: a GGUF's tensors
+    dequantized one at a time where no transformers model was built, else the model's."""
+    _require_cpu_float32(loaded, "int8")
+    dense: WeightSource
+    if loaded.gguf_path is not None and loaded.built_model is None:
+        _, tensors = read_gguf_tensors(loaded.gguf_path)
+        dense = GGUFWeights(tensors, torch.float32, quantized=False)
+    else:
+        dense = StateDictWeights(dict(loaded.model.named_parameters()))
+    return LlamaForward(loaded.config, Int8Weights(dense), fused_ops=True)
 
 
-def _require_cpu_float32(model: PreTrainedModel, quantization: str) -> None:
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+def _require_cpu_float32(loaded: LoadedModel, quantization: str) -> None:
+    if loaded.device.type != "cpu" or loaded.dtype != torch.float32:
         raise ValueError(
             f"quantization {quantization} runs on the CPU in float32 (the kernels' "
-            f"activations), not {model.device.type} {model.dtype}"
+            f"activations), not {loaded.device.type} {loaded.dtype}"
         )
 
 

@@ -36,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)  # bad engine flags too
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
+    if not args.raw and config.chat_template is None:
+        from engine.chat_template import has_chat_template
+
+        if has_chat_template(config.model) is False:  # read from its files: nothing loads
+            raise SystemExit(no_template(config.model))
 
     from engine.llm_engine import Engine
 
@@ -46,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     tok = engine.loaded.tokenizer
     if args.raw:
         prompts = [tok.encode(p) for p in args.prompts]
+    elif not tok.chat_template:  # what the files did not tell before the load
+        raise SystemExit(no_template(config.model))
     else:
         prompts = [
             tok.apply_chat_template(
@@ -64,3 +71,11 @@ def run(args: argparse.Namespace) -> int:
     total = sum(len(r.token_ids) for r in results)
     print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def no_template(model: str) -> str:
+    return (
+        f"generate: {model} has no chat template (a base model?), so the prompts cannot be "
+        "sent as chat messages: add --raw to send them as plain text, or --chat-template FILE "
+        "to give it a template"
+    )

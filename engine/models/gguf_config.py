@@ -112,10 +112,11 @@ def gguf_config(index: GGUFIndex) -> PretrainedConfig:
         "pad_token_id": index.metadata.get("tokenizer.ggml.padding_token_id"),
         "rope_parameters": _rope_parameters(key, head_dim),
     }
-    if key.arch != "gemma3":  # Gemma 3's projections have no bias (the config has no such key)
-        fields["attention_bias"] = "blk.0.attn_q.bias" in key.tensors
     _ARCH_FIELDS.get(key.arch, lambda key, fields: None)(key, fields)
-    return AutoConfig.for_model(model_type, **fields)
+    config = AutoConfig.for_model(model_type, **fields)
+    if hasattr(config, "attention_bias"):  # where the class has the switch (Llama, SmolLM3, ...)
+        config.attention_bias = "blk.0.attn_q.bias" in key.tensors
+    return config
 
 
 def _rope_parameters(key: _Metadata, head_dim: int) -> dict[str, Any]:

@@ -89,9 +89,7 @@ def entries(cache: Path) -> set[str]:
     return {p.name for p in cache.iterdir()} if cache.is_dir() else set()
 
 
-def test_a_llama_gguf_loads_and_generates_from_the_file_alone(
-    llama_file, tmp_path, built_models
-):
+def test_a_llama_gguf_loads_and_generates_from_the_file_alone(llama_file, tmp_path, built_models):
     """No transformers model is built and no converted checkpoint written: the config,
     tokenizer and template come from the metadata, the weights stay in their blocks."""
     cache = tmp_path / "cache"

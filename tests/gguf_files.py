@@ -27,17 +27,21 @@ CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BASE_SPECIALS = ("<unk>", "<s>", "</s>")  # a base model's: nothing says ChatML
 
 
-def tiny_vocabulary(specials: tuple[str, ...] = CHATML_SPECIALS) -> dict[str, Any]:
-    """The tiny tokenizer's tokens (its three special ones renamed to `specials`), merges and
-    token types, as a GGUF's tokenizer.ggml.* arrays."""
+def tiny_vocabulary(
+    specials: tuple[str, ...] = CHATML_SPECIALS, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The tiny tokenizer's tokens (its three special ones renamed to `specials`, control
+    tokens `extra` added last), merges and token types, as a GGUF's tokenizer.ggml.* arrays."""
     from engine.models.tiny_model import build_tiny_tokenizer
 
     backend = json.loads(build_tiny_tokenizer().backend_tokenizer.to_str())
     vocab: dict[str, int] = backend["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)
     tokens[: len(specials)] = specials
+    tokens += extra
     merges = [m if isinstance(m, str) else " ".join(m) for m in backend["model"]["merges"]]
-    types = [3 if i < len(specials) else 1 for i in range(len(tokens))]  # 3: control
+    control = {*range(len(specials)), *range(len(tokens) - len(extra), len(tokens))}
+    types = [3 if i in control else 1 for i in range(len(tokens))]  # 3: control
     return {"tokens": tokens, "merges": merges, "types": types}
 
 
@@ -49,18 +53,20 @@ def write_gguf(
     matrices: Q | dict[str, Q] = Q.F32,
     chat_template: str | None = None,
     specials: tuple[str, ...] = CHATML_SPECIALS,
+    extra_tokens: tuple[str, ...] = (),
     add_bos: bool = False,
     omit: tuple[str, ...] = (),
 ) -> Path:
     """`model` (a transformers causal LM of `arch`) as llama.cpp's converter writes it. Each
     2-D weight is stored as `matrices` (one type, or by the ggml name's part after `blk.N.`,
     "token_embd" and "output"; the rest F32); norms and biases are F32. `omit`: metadata keys
-    left out (as an older converter would)."""
+    left out (as an older converter would); `extra_tokens`: control tokens after the tiny
+    vocabulary (the model's vocabulary must count them)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[ARCHS[arch]])
     writer.add_name(f"test {arch}")
     _write_config(writer, config, arch, model)
-    vocabulary = tiny_vocabulary(specials)
+    vocabulary = tiny_vocabulary(specials, extra_tokens)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocabulary["tokens"])

@@ -52,6 +52,9 @@ _TOKENIZER, _SETTINGS = "tokenizer.json", "settings.json"
 # The metadata's token ids that end a generation (llama.cpp's end of text, of turn, of message).
 _END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
 _END_IDS += ("tokenizer.ggml.eom_token_id",)
+# Tokens that end a chat turn, which llama.cpp also stops at wherever the vocabulary has them
+# (its converter rarely states them: Gemma's <end_of_turn>, Phi-3's <|end|>).
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +76,17 @@ def open_gguf(
     path: Path, cache_root: Path, say: Progress, fallback_template: str | None
 ) -> OpenedGGUF:
     """The file's config, tokenizer (chat template set, or ChatML / `fallback_template` where
-    the file has none: engine/chat_template.py) and end tokens. Raises UndescribedGGUFError
-    for an architecture gguf_config does not state."""
+    the file has none: engine/chat_template.py) and end tokens (the metadata's, then the turn
+    ends its vocabulary has). Raises UndescribedGGUFError for an architecture gguf_config does
+    not state."""
     index = read_gguf_index(path, CONFIG_ARRAYS)
     config = gguf_config(index)
     tokenizer = gguf_tokenizer(path, index, cache_root, say)
     ensure_chat_template(tokenizer, path, fallback_template)
     tokenizer.model_max_length = config.max_position_embeddings
+    vocab = tokenizer.get_vocab()
     ends = [index.metadata.get(key) for key in _END_IDS] + [tokenizer.eos_token_id]
+    ends += [vocab.get(token) for token in TURN_ENDS]
     eos_ids: list[int] = []
     for token_id in ends:
         if isinstance(token_id, int) and token_id not in eos_ids:

@@ -27,7 +27,7 @@ from engine.models.loaded_model import describe_loaded
 from engine.models.model_loader import load_model
 from engine.models.tiny_model import CHATML_TEMPLATE
 from generation import SamplingParams
-from tests.gguf_files import tiny_vocabulary, write_gguf
+from tests.gguf_files import BASE_SPECIALS, tiny_vocabulary, write_gguf
 
 VOCAB = len(tiny_vocabulary()["tokens"])
 SMALL = dict(
@@ -208,6 +208,18 @@ def test_the_tokenizer_is_built_once_and_read_from_its_cache(llama_file, tmp_pat
         assert cached.encode(text) == built.encode(text)
         assert cached.encode(text)[0] == 1  # the file says: add BOS
     assert cached.chat_template == CHATML_TEMPLATE  # ChatML's tokens, no template: ChatML
+
+
+def test_a_generation_ends_at_the_turn_ends_the_vocabulary_has(tmp_path):
+    """As llama.cpp: the metadata's end of text, and the chat turn ends it finds by name
+    (Gemma's <end_of_turn>, Phi-3's <|end|>), which converters rarely state."""
+    turn_ends = ("<end_of_turn>", "<|end|>")
+    model = random_model("llama", **(SMALL | {"vocab_size": VOCAB + 2}))
+    path = write_gguf(
+        tmp_path / "turns.gguf", model, "llama", specials=BASE_SPECIALS, extra_tokens=turn_ends
+    )
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache")
+    assert loaded.eos_token_ids == [2, VOCAB + 1, VOCAB]  # </s>, <|end|>, <end_of_turn>
 
 
 # --- the families' names and configs -----------------------------------------------------------

@@ -11,7 +11,11 @@ from jitney.commands.engine_args import add_engine_arguments, engine_config_from
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="+", help="user messages (chat template applied) or raw text")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompts as plain text, not as chat messages (a base model has no template)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -88,6 +88,8 @@ def write_gguf(
         kind = _kind(matrices, name) if data.ndim == 2 else Q.F32
         stored = data if kind == Q.F32 else quantize(data, kind)
         writer.add_tensor(name, stored, raw_dtype=None if kind == Q.F32 else kind)
+    if arch == "llama" and config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_divisors(config))
     if arch == "phi3" and (rope := config.rope_parameters).get("rope_type") == "longrope":
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
@@ -147,6 +149,18 @@ def _converted(data: np.ndarray, hf_name: str, arch: str, config: Any) -> np.nda
     if arch == "gemma3" and hf_name.endswith("norm.weight"):
         return data + 1
     return data
+
+
+def _llama3_divisors(config: Any) -> np.ndarray:
+    """What the converter writes for a llama3 RoPE: each frequency's divisor, here from
+    transformers' own llama3 frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    theta = config.rope_parameters["rope_theta"]
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    return (plain / llama3.double()).numpy().astype(np.float32)
 
 
 def _kind(matrices: Q | dict[str, Q], name: str) -> Q:

@@ -16,8 +16,8 @@ tensors are the transformers model's:
 - the names differ by architecture: Gemma 3's `ffn_norm` is the norm before the MLP (Llama's is
   the norm after attention), Phi-3 keeps Q, K and V in one `attn_qkv` and the MLP's gate and up
   in one `ffn_up` (transformers' `qkv_proj` and `gate_up_proj`), and its LongRoPE factors are
-  tensors (`rope_factors_long/short`) that belong to the config (engine/models/gguf_model.py), not
-  to the weights.
+  tensors (`rope_factors_long/short`) that belong to the config (engine/models/gguf_config.py),
+  not to the weights, as does a Llama 3's `rope_freqs`.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors that describe the model rather than weigh it (read into its config).
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Tensors that describe the model rather than weigh it (read into its config: Phi-3's LongRoPE
+# factors, Llama 3's llama3 RoPE divisors).
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 # Architectures whose Q and K rows the converter permuted (its LlamaModel and subclasses).
 _PERMUTED_ARCHS = ("llama", "smollm3")
 # Architectures whose RMSNorm weights the converter stored as 1 + w.

@@ -265,7 +265,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "it was measured to gain at one sequence and lose at batches (docs/performance.md)",
     )
     g.add_argument(
-        "--cache-dir", default=engine["cache_dir"], help="converted-model cache (JITNEY_CACHE_DIR)"
+        "--cache-dir",
+        default=engine["cache_dir"],
+        help="model cache: GGUF tokenizers, GGUF files converted for transformers or the exact "
+        "mode (JITNEY_CACHE_DIR)",
     )
     g.add_argument(
         "--chat-template",

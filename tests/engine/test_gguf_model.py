@@ -291,6 +291,31 @@ def test_a_family_s_file_maps_back_to_its_transformers_model(arch, tmp_path):
             assert rope[factors] == pytest.approx(want_rope[factors])
 
 
+def test_a_llama_3_file_s_rope_freqs_are_its_llama3_rope(tmp_path):
+    """The converter turns Llama 3's llama3 RoPE into a `rope_freqs` tensor; it is read back as
+    that RoPE (Llama 3's low/high factors and original context), or refused if it is not."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    llama3 = SMALL | {"max_position_embeddings": 16384}
+    model = random_model("llama", **llama3, rope_parameters=rope)
+    path = write_gguf(tmp_path / "llama3.gguf", model, "llama")
+    config = gguf_config(read_gguf_index(path))
+    assert config.rope_parameters == pytest.approx(rope)
+    _, tensors = read_gguf_tensors(path)
+    assert set(tensors) == set(model.state_dict())  # the tensor went into the config
+
+    other = random_model("llama", **llama3, rope_parameters=rope | {"high_freq_factor": 2.0})
+    odd = write_gguf(tmp_path / "odd.gguf", other, "llama")
+    with pytest.raises(UndescribedGGUFError, match="not Llama 3's llama3 RoPE"):
+        gguf_config(read_gguf_index(odd))
+
+
 def test_gemma3_s_layer_pattern_and_rope_bases_default_as_llama_cpp_s(tmp_path):
     """A file stating no pattern: every sixth layer global; the sliding layers' RoPE base
     10,000 where the file states none; the metadata's sliding window."""

@@ -181,7 +181,7 @@ def _small_pool_engine(loaded: LoadedModel, num_blocks: int, speculative: str = 
     block_size = 16
     config = EngineConfig(
         model=loaded.name,
-        device=str(loaded.model.device),
+        device=str(loaded.device),
         kv_cache_memory=str(num_blocks * block_size * loaded.kv_bytes_per_token),
         block_size=block_size,
         max_num_seqs=6,
@@ -333,7 +333,7 @@ def _decode_step_ms(
     max_tokens = prefill_steps + steps + 4
     config = EngineConfig(
         model=loaded.name,
-        device=str(loaded.model.device),
+        device=str(loaded.device),
         kv_cache_memory=str((batch * (ctx + max_tokens) + 64 * 16) * loaded.kv_bytes_per_token),
         max_num_seqs=batch,
         max_num_batched_tokens=budget,
@@ -344,7 +344,7 @@ def _decode_step_ms(
     )
     engine = Engine(config, loaded=loaded)
     rng = random.Random(batch)
-    vocab = loaded.model.get_input_embeddings().num_embeddings
+    vocab = loaded.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), [rng.randrange(256, vocab) for _ in range(ctx)], params)

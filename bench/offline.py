@@ -277,7 +277,7 @@ def run_baseline(
 def check_token_ids(requests: Sequence[TraceRequest], loaded: LoadedModel) -> None:
     """Refuse a trace whose prompt ids the model's vocabulary does not hold (the embedding would
     fail mid-run with an IndexError)."""
-    vocab = loaded.model.get_input_embeddings().num_embeddings
+    vocab = loaded.vocab_size
     ids = [t for r in requests for t in r.prompt_ids]
     if ids and (max(ids) >= vocab or min(ids) < 0):
         bad = max(ids) if max(ids) >= vocab else min(ids)

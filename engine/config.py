@@ -108,6 +108,9 @@ class EngineConfig:
     cache_dir: str | None = None
     noop_step_ms: float = 0.0  # --model noop only: what its fake forward sleeps per step
     pooling: str = "last"  # embeddings: POOLING_METHODS
+    # The chat template in place of the model's own (vLLM's --chat-template, as its text:
+    # engine/chat_template.py resolve_chat_template reads the flag); None: the model's.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.batching not in POLICIES:
@@ -147,6 +150,10 @@ class EngineConfig:
             )
         if self.pooling not in POOLING_METHODS:
             raise ValueError(f"pooling must be one of {POOLING_METHODS}, got {self.pooling!r}")
+        if self.chat_template is not None:
+            from engine.chat_template import check_chat_template
+
+            check_chat_template(self.chat_template, "chat_template")
         if self.noop_step_ms < 0:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:

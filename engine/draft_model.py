@@ -91,7 +91,7 @@ class DraftModel:
         vocab_size: int,
         scheduler: SchedulerConfig,
     ):
-        device, model = config.torch_device, loaded.model
+        device = config.torch_device
         # Its weights as --quantization auto would keep them (dense in the exact mode).
         quantization = "none" if config.quantization == "none" else "auto"
         self.forward_name, forward = resolve_forward(loaded, config.model_impl, quantization)
@@ -102,7 +102,7 @@ class DraftModel:
                 f"the draft model's KV pool ({kv_bytes} B) holds no block of "
                 f"{spec.bytes_per_block} B: raise --speculative-kv-cache-memory"
             )
-        kernel, _ = decode_attention_for(config, device, model, spec)
+        kernel, _ = decode_attention_for(config, device, loaded.config, spec)
         self.runner = ModelRunner(forward, PagedKVCache(spec, num_blocks, device, kernel))
         self.kv = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.name = loaded.name

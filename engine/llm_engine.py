@@ -75,6 +75,7 @@ class Engine:
             config.cache_dir,
             progress,
             noop_step_ms=config.noop_step_ms,
+            chat_template=config.chat_template,
         )
         # Loaded before the KV budget is measured (on CUDA its weights count against it).
         draft = load_draft_model(config, self.loaded, progress)
@@ -138,13 +139,13 @@ class Engine:
 
     @property
     def vocab_size(self) -> int:
-        return self.loaded.model.get_input_embeddings().num_embeddings
+        return self.loaded.vocab_size
 
     @property
     def embedding_size(self) -> int:
         """The length of a pooling request's vector (the hidden size); 0: no embeddings (noop
         has no hidden states)."""
-        return 0 if self.loaded.name == NOOP else int(self.loaded.model.config.hidden_size)
+        return 0 if self.loaded.name == NOOP else self.loaded.hidden_size
 
     @property
     def stats(self) -> SchedulerStats:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from engine.kernels.build import DRAFT_ROW_COST, INTEGER_ISAS, ONE_PASS_TOKENS
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
 from engine.memory_profile import step_peak_bytes
 from engine.models.forward import ModelForward
-from engine.models.model_loader import LoadedModel
+from engine.models.loaded_model import LoadedModel
 from engine.runner.decode_graphs import CudaGraphCapture, graph_reserved_bytes
 from engine.runner.model_runner import QUANTIZED_FORWARDS, ModelRunner, resolve_forward
 
@@ -60,7 +61,6 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
         backend.set_activation_digits(config.activation_digits)
         if backend.isa in INTEGER_ISAS:
             logger.info("CPU kernels: %d int8 digit(s) an activation", config.activation_digits)
-    model = loaded.model
     forward_name, forward = resolve_forward(
         loaded, config.model_impl, config.quantization, config.compile, config.max_model_len
     )
@@ -71,7 +71,7 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
         *(str(d).removeprefix("torch.") for d in (spec.dtype, spec.attention_dtype)),
     )
     use_graphs = device.type == "cuda" and not config.enforce_eager
-    decode_kernel, why_not = decode_attention_for(config, device, model, spec)
+    decode_kernel, why_not = decode_attention_for(config, device, loaded.config, spec)
     step_peak = None
     if device.type == "cuda" and config.kv_cache_memory is None:
         step_peak = _step_peak(config, loaded, forward, spec, decode_kernel, use_graphs)
@@ -130,7 +130,7 @@ def _one_pass_isa(forward_name: str) -> str | None:
 def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, forward_name: str) -> KVCacheSpec:
     """The pool's shape for `loaded` run by `forward_name`: K/V in `--kv-cache-dtype` (auto:
     engine/kv_cache.py kv_storage_dtype)."""
-    dtype = loaded.model.dtype
+    dtype = loaded.dtype
     return KVCacheSpec(
         loaded.num_layers,
         loaded.num_kv_heads,
@@ -142,11 +142,12 @@ def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, forward_name: str) 
 
 
 def decode_attention_for(
-    config: EngineConfig, device: torch.device, model: torch.nn.Module, spec: KVCacheSpec
+    config: EngineConfig, device: torch.device, model_config: Any, spec: KVCacheSpec
 ) -> tuple[str | None, str | None]:
-    """The in-place kernel decode tokens attend through (None: gathered), and if none, why."""
+    """The in-place kernel decode tokens attend through (None: gathered), and if none, why.
+    `model_config`: the model's (LoadedModel.config)."""
     shape = DecodeShape(
-        getattr(model.config, "num_attention_heads", spec.num_kv_heads),
+        getattr(model_config, "num_attention_heads", spec.num_kv_heads),
         spec.num_kv_heads,
         spec.head_dim,
         spec.block_size,
@@ -170,14 +171,17 @@ def _step_peak(
     """What the largest step needs beside the cache, measured, and what decode graphs keep:
     their shared logits buffer and, unless the kernel reads K/V in place, the read workspace
     (at most the longest context's)."""
-    device = next(loaded.model.parameters()).device
     step_peak = step_peak_bytes(
-        forward, device, spec, config.max_num_batched_tokens, config.max_num_seqs, decode_kernel
+        forward,
+        loaded.device,
+        spec,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        decode_kernel,
     )
     if step_peak is not None and use_graphs:
         longest = config.max_model_len or loaded.max_model_len
-        vocab_size = loaded.model.get_input_embeddings().num_embeddings
         step_peak += graph_reserved_bytes(
-            spec, config.max_num_seqs, longest, vocab_size, decode_kernel
+            spec, config.max_num_seqs, longest, loaded.vocab_size, decode_kernel
         )
     return step_peak

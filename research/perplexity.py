@@ -100,7 +100,7 @@ def _score(
     kv_cache_dtype: str,
 ) -> Score:
     forward = model_forward_for(loaded, "auto", quantization)
-    dtype = loaded.model.dtype
+    dtype = loaded.dtype
     spec = KVCacheSpec(
         loaded.num_layers,
         loaded.num_kv_heads,

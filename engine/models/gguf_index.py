@@ -2,18 +2,21 @@
 
 gguf's own `GGUFReader` makes a numpy view for every element of every metadata array as it opens
 a file. For the bundled SmolLM2 that is its 49,152 tokens and 48,900 merges: about 4 s a read on
-a 2-core Zen 3, and an engine start read the file twice. The engine needs only the scalars
+a 2-core Zen 3, and an engine start read the file twice. The engine needs the scalars
 (architecture, head counts, alignment) and the tensors, so this reads the header with `struct`,
-steps over the arrays, and maps each tensor's bytes as `GGUFReader` does: the same dtype and
-shape (tests/engine/test_gguf_index.py compares the two on SmolLM2's file and on written ones).
+steps over the arrays (or reads the few a caller names: the vocabulary, once, for its
+tokenizer), and maps each tensor's bytes as `GGUFReader` does: the same dtype and shape
+(tests/engine/test_gguf_index.py compares the two on SmolLM2's file and on written ones).
 Little-endian files only: a byte-swapped (big-endian) one is refused by name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,29 +39,31 @@ class TensorInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class GGUFMetadata:
+    metadata: dict[str, object]  # scalars and strings; arrays are stepped over, not kept
+    arrays: dict[str, list[object]]  # the arrays the caller named, where the file has them
+
+
+@dataclass(frozen=True, slots=True)
 class GGUFIndex:
     metadata: dict[str, object]  # scalars and strings; arrays are stepped over, not kept
     tensors: list[TensorInfo]
+    arrays: dict[str, list[object]] = field(default_factory=dict)  # those the caller named
+    # sha256 of the header (metadata and tensor table): what the file says of itself, its
+    # tokenizer included; the same for a copy of the file anywhere.
+    header_digest: str = ""
 
 
-def read_gguf_index(path: str | Path) -> GGUFIndex:
-    data = np.memmap(path, mode="r")
-    buf = memoryview(data)  # type: ignore[arg-type]
-    if bytes(buf[:4]) != GGUF_MAGIC:
-        raise ValueError(f"{path}: not a GGUF file")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version & 0xFFFF == 0:
-        raise ValueError(f"{path}: a big-endian GGUF file; Jitney reads little-endian ones")
-    if version not in VERSIONS:
-        raise ValueError(f"{path}: GGUF version {version} (Jitney reads {VERSIONS})")
-    num_tensors, num_kv = struct.unpack_from("<QQ", buf, 8)
-    reader = _Reader(buf, 24)
-    metadata: dict[str, object] = {}
-    for _ in range(num_kv):
-        key = reader.string()
-        value = reader.value(reader.unpack("<I"))
-        if value is not None:
-            metadata[key] = value
+def read_gguf_metadata(path: str | Path, arrays: Collection[str] = ()) -> GGUFMetadata:
+    """The metadata alone (no tensor table), and the arrays named in `arrays`."""
+    _, _, metadata, kept = _open(path, arrays)
+    return GGUFMetadata(metadata, kept)
+
+
+def read_gguf_index(path: str | Path, arrays: Collection[str] = ()) -> GGUFIndex:
+    """The metadata, the arrays named in `arrays`, and every tensor's bytes (memory-mapped)."""
+    reader, num_tensors, metadata, kept = _open(path, arrays)
+    data = reader.data
     infos = []
     for _ in range(num_tensors):
         name = reader.string()
@@ -75,7 +80,37 @@ def read_gguf_index(path: str | Path) -> GGUFIndex:
         TensorInfo(name, dims, qtype, _tensor_data(data, start + offset, dims, qtype))
         for name, dims, qtype, offset in infos
     ]
-    return GGUFIndex(metadata, tensors)
+    digest = hashlib.sha256(reader.buf[: reader.offset]).hexdigest()
+    return GGUFIndex(metadata, tensors, kept, digest)
+
+
+def _open(
+    path: str | Path, arrays: Collection[str]
+) -> tuple[_Reader, int, dict[str, object], dict[str, list[object]]]:
+    """The header read up to the tensor table: (reader there, tensor count, scalars, arrays)."""
+    data = np.memmap(path, mode="r")
+    buf = memoryview(data)  # type: ignore[arg-type]
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version & 0xFFFF == 0:
+        raise ValueError(f"{path}: a big-endian GGUF file; Jitney reads little-endian ones")
+    if version not in VERSIONS:
+        raise ValueError(f"{path}: GGUF version {version} (Jitney reads {VERSIONS})")
+    num_tensors, num_kv = struct.unpack_from("<QQ", buf, 8)
+    reader = _Reader(data, buf, 24)
+    metadata: dict[str, object] = {}
+    kept: dict[str, list[object]] = {}
+    for _ in range(num_kv):
+        key = reader.string()
+        kind = reader.unpack("<I")
+        if kind == ARRAY and key in arrays:
+            kept[key] = reader.array()
+            continue
+        value = reader.value(kind)
+        if value is not None:
+            metadata[key] = value
+    return reader, num_tensors, metadata, kept
 
 
 def _tensor_data(data: np.ndarray, offset: int, dims: tuple[int, ...], qtype: int) -> np.ndarray:
@@ -112,8 +147,8 @@ _PLAIN_TYPES = {
 class _Reader:
     """Reads the header's values in order from `offset`."""
 
-    def __init__(self, buf: memoryview, offset: int):
-        self.buf, self.offset = buf, offset
+    def __init__(self, data: np.ndarray, buf: memoryview, offset: int):
+        self.data, self.buf, self.offset = data, buf, offset
 
     def unpack(self, fmt: str) -> int:
         (value,) = struct.unpack_from(fmt, self.buf, self.offset)
@@ -141,6 +176,16 @@ class _Reader:
             for _ in range(count):
                 self._skip(item)
         return None
+
+    def array(self) -> list[object]:
+        """An array's values (strings decoded, numbers as Python numbers)."""
+        item, count = self.unpack("<I"), self.unpack("<Q")
+        if item in SCALARS:
+            fmt = SCALARS[item]
+            values = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.offset)
+            self.offset += count * struct.calcsize(fmt)
+            return list(values)
+        return [self.value(item) if item != ARRAY else self.array() for _ in range(count)]
 
     def _skip(self, kind: int) -> None:
         if kind == STRING:

@@ -8,18 +8,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from engine.chat_template import CHATML_TEMPLATE
+
 TINY_SEED = 0
 
 # Ids 0-2, in SmolLM2's order, so code that special-cases them behaves the same on both models.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# Plain ChatML (SmolLM2's template without its default system prompt).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 # A few merges so text is not one token per byte; "Ġ" is the byte-level symbol for a space.
 _MERGED_WORDS = ["Ġthe", "Ġand", "Ġof", "Ġto", "Ġis", "Ġin", "ing", "er", "Ġa", "Ġyou", "Ġwhat"]

@@ -20,9 +20,14 @@ from engine.layers.quantized import COVERED_KINDS
 from engine.models.forward import ModelForward, TransformersForward
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
-from engine.models.model_loader import LoadedModel
+from engine.models.loaded_model import LoadedModel
 from engine.models.rotary import longrope_uses_long_factors
-from engine.models.weight_sources import GGUFWeights, Int8Weights, StateDictWeights
+from engine.models.weight_sources import (
+    GGUFWeights,
+    Int8Weights,
+    StateDictWeights,
+    WeightSource,
+)
 from engine.runner.decode_graphs import DecodeGraphs, GraphCapture, width_bucket
 from engine.runner.input_batch import InputBatch
 from scheduler import Sequence, StepPlan
@@ -60,13 +65,9 @@ def resolve_forward(
     (engine/models/rotary.py). Returns the forward and its name ("jitney-gguf", "jitney-none",
     "transformers", ...). Built once per loaded model (and LongRoPE choice) and kept on it, so
     engines sharing a loaded model share its forward (and Jitney's dense one shares the
-    transformers model's weights)."""
-    model = loaded.model
-    why_not = (
-        unsupported_because(model.config)
-        if isinstance(model, PreTrainedModel)
-        else "not a transformers model (noop)"
-    )
+    transformers model's weights). The choice reads the model's description (`loaded.config`,
+    device, dtype); only the dense forwards build (or use) its transformers model."""
+    why_not = jitney_unsupported_because(loaded)
     if quantization == "auto":
         quantization = resolve_quantization(loaded, impl, why_not)
     if (impl == "jitney" or quantization != "none") and why_not is not None:
@@ -80,19 +81,29 @@ def resolve_forward(
     name = f"jitney-{quantization}" if use_jitney else "transformers"
     name += "-compiled" if compiled else ""
     key = name
-    if use_jitney and (long := longrope_uses_long_factors(model.config, max_model_len)) is not None:
+    long = longrope_uses_long_factors(loaded.config, max_model_len) if use_jitney else None
+    if long is not None:
         key += "-longrope-long" if long else "-longrope-short"
-    forwards: dict[str, ModelForward] = model.__dict__.setdefault("_jitney_forwards", {})
+    forwards: dict[str, ModelForward] = loaded.dense.forwards
     if key not in forwards:
+        # Only the dense forwards need the transformers model (built here on first use).
         if not use_jitney:
-            forwards[key] = TransformersForward(model)
+            forwards[key] = TransformersForward(loaded.model)
         elif quantization == "gguf":
             forwards[key] = _gguf_forward(loaded, max_model_len)
         elif quantization == "int8":
             forwards[key] = _int8_forward(loaded, max_model_len)
         else:
-            forwards[key] = LlamaForward.from_transformers(model, compiled, max_model_len)
+            forwards[key] = LlamaForward.from_transformers(loaded.model, compiled, max_model_len)
     return name, forwards[key]
+
+
+def jitney_unsupported_because(loaded: LoadedModel) -> str | None:
+    """Why Jitney's forward cannot run `loaded` (None: it can), from its description."""
+    built = loaded.built_model
+    if built is not None and not isinstance(built, PreTrainedModel):
+        return "not a transformers model (noop)"
+    return unsupported_because(loaded.config)
 
 
 def resolve_quantization(loaded: LoadedModel, impl: str, why_not: str | None) -> str:
@@ -100,23 +111,21 @@ def resolve_quantization(loaded: LoadedModel, impl: str, why_not: str | None) ->
     (measured: 5x a dense float32 step at one sequence, 3x at 64; docs/performance.md), its
     matrices of types no kernel covers dequantized one by one; "none" (dense, exact)
     otherwise."""
-    model = loaded.model
     if loaded.gguf_path is None or impl == "transformers" or why_not is not None:
         return "none"
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+    if loaded.device.type != "cpu" or loaded.dtype != torch.float32:
         return "none"
     return "gguf"
 
 
 def _gguf_forward(loaded: LoadedModel, max_model_len: int | None) -> LlamaForward:
-    """Jitney's forward on the blocks of the GGUF file `loaded` was converted from."""
-    model = loaded.model
+    """Jitney's forward on the blocks of `loaded`'s GGUF file."""
     if loaded.gguf_path is None:
         raise ValueError(f"quantization gguf needs a GGUF model; {loaded.name} is not one")
-    _require_cpu_float32(model, "gguf")
+    _require_cpu_float32(loaded, "gguf")
     _, tensors = read_gguf_tensors(loaded.gguf_path)
     weights = GGUFWeights(tensors, torch.float32, quantized=True)
-    forward = LlamaForward(model.config, weights, fused_ops=True, max_model_len=max_model_len)
+    forward = LlamaForward(loaded.config, weights, fused_ops=True, max_model_len=max_model_len)
     log_dense_fallbacks(weights.dense_fallbacks)
     return forward
 
@@ -138,19 +147,24 @@ def log_dense_fallbacks(fallbacks: Mapping[str, str]) -> None:
 
 
 def _int8_forward(loaded: LoadedModel, max_model_len: int | None) -> LlamaForward:
-    """Jitney's forward on int8 blocks made from the loaded model's own dense weights."""
-    model = loaded.model
-    _require_cpu_float32(model, "int8")
-    dense = StateDictWeights(dict(model.named_parameters()))
+    """Jitney's forward on int8 blocks made from the model's dense weights: a GGUF's tensors
+    dequantized one at a time where no transformers model was built, else the model's."""
+    _require_cpu_float32(loaded, "int8")
+    dense: WeightSource
+    if loaded.gguf_path is not None and loaded.built_model is None:
+        _, tensors = read_gguf_tensors(loaded.gguf_path)
+        dense = GGUFWeights(tensors, torch.float32, quantized=False)
+    else:
+        dense = StateDictWeights(dict(loaded.model.named_parameters()))
     weights = Int8Weights(dense)
-    return LlamaForward(model.config, weights, fused_ops=True, max_model_len=max_model_len)
+    return LlamaForward(loaded.config, weights, fused_ops=True, max_model_len=max_model_len)
 
 
-def _require_cpu_float32(model: PreTrainedModel, quantization: str) -> None:
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+def _require_cpu_float32(loaded: LoadedModel, quantization: str) -> None:
+    if loaded.device.type != "cpu" or loaded.dtype != torch.float32:
         raise ValueError(
             f"quantization {quantization} runs on the CPU in float32 (the kernels' "
-            f"activations), not {model.device.type} {model.dtype}"
+            f"activations), not {loaded.device.type} {loaded.dtype}"
         )
 
 

@@ -265,7 +265,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "it was measured to gain at one sequence and lose at batches (docs/performance.md)",
     )
     g.add_argument(
-        "--cache-dir", default=engine["cache_dir"], help="converted-model cache (JITNEY_CACHE_DIR)"
+        "--cache-dir",
+        default=engine["cache_dir"],
+        help="model cache: GGUF tokenizers, GGUF files converted for transformers or the exact "
+        "mode (JITNEY_CACHE_DIR)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=engine["chat_template"],
+        metavar="FILE",
+        help="the chat template to render chats with, in place of the model's own (a base "
+        "model has none): a Jinja file, or the template itself inline (vLLM's flag)",
     )
     g.add_argument(
         "--threads",
@@ -334,11 +344,21 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         cache_dir=args.cache_dir,
         noop_step_ms=args.noop_step_ms,
         pooling=args.pooling,
+        chat_template=_chat_template(args.chat_template),
     )
     if args.speculative_config is not None:
         fields.update(_speculative_config_fields(args))
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template's template text (ValueError: unreadable, or not a template)."""
+    if value is None:
+        return None
+    from engine.chat_template import resolve_chat_template
+
+    return resolve_chat_template(value)
 
 
 def _speculative_config_fields(args: argparse.Namespace) -> dict[str, object]:

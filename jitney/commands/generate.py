@@ -11,7 +11,11 @@ from jitney.commands.engine_args import add_engine_arguments, engine_config_from
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="+", help="user messages (chat template applied) or raw text")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompts as plain text, not as chat messages (a base model has no template)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -38,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
         threads = resolve_threads(args.threads)  # and a bad OMP_NUM_THREADS
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
+    if not args.raw and config.chat_template is None:
+        from engine.chat_template import has_chat_template
+
+        if has_chat_template(config.model) is False:  # read from its files: nothing loads
+            raise SystemExit(no_template(config.model))
 
     from engine.llm_engine import Engine
 
@@ -51,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     tok = engine.loaded.tokenizer
     if args.raw:
         prompts = [tok.encode(p) for p in args.prompts]
+    elif not tok.chat_template:  # what the files did not tell before the load
+        raise SystemExit(no_template(config.model))
     else:
         prompts = [
             tok.apply_chat_template(
@@ -69,3 +80,11 @@ def run(args: argparse.Namespace) -> int:
     total = sum(len(r.token_ids) for r in results)
     print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def no_template(model: str) -> str:
+    return (
+        f"generate: {model} has no chat template (a base model?), so the prompts cannot be "
+        "sent as chat messages: add --raw to send them as plain text, or --chat-template FILE "
+        "to give it a template"
+    )

@@ -4,10 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.models.model_loader import LoadedModel, _gguf_cache_key, load_model
+from engine.models.gguf_model import gguf_cache_key
+from engine.models.model_loader import LoadedModel, load_model
+from tests.gguf_files import write_gguf
 
 PROMPT_IDS = torch.tensor([[1, 40, 41, 42, 100, 200, 2]])
 
@@ -153,38 +156,44 @@ def test_local_hf_directory_loads_with_same_logits(tmp_path: Path):
     torch.testing.assert_close(logits_of(loaded), logits_of(original), rtol=0, atol=0)
 
 
-def test_gguf_path_reads_its_converted_cache(tmp_path: Path):
-    """A .gguf path is keyed by name, size and mtime, and a filled cache skips conversion."""
-    gguf_path = tmp_path / "some-model.Q4_0.gguf"
-    gguf_path.write_bytes(b"GGUF not really")
-    cache_dir = tmp_path / "cache"
+def test_a_gguf_s_dense_model_reads_its_converted_cache(tmp_path: Path):
+    """A .gguf path loads without its dense model; the exact mode's, built on first use, comes
+    from the converted cache (keyed by name, size and mtime), and a filled cache skips the
+    conversion."""
     tiny = load_model("tiny-random")
-    converted = cache_dir / _gguf_cache_key(gguf_path)
-    tiny.model.save_pretrained(converted)
+    gguf_path = write_gguf(
+        tmp_path / "some-model.Q8_0.gguf", tiny.model, "llama", matrices=GGMLQuantizationType.Q8_0
+    )
+    cache_dir = tmp_path / "cache"
+    converted = cache_dir / gguf_cache_key(gguf_path)
+    tiny.model.save_pretrained(converted)  # not the file's dequantized weights: the cache's
     tiny.tokenizer.save_pretrained(converted)
 
     messages: list[str] = []
     loaded = load_model(str(gguf_path), cache_dir=cache_dir, progress=messages.append)
+    assert loaded.name == "some-model.Q8_0" and loaded.built_model is None
+    logits = logits_of(loaded)
 
-    assert loaded.name == "some-model.Q4_0"
     assert any(m.startswith("using converted cache") for m in messages)
     assert not any("converting" in m for m in messages)
-    torch.testing.assert_close(logits_of(loaded), logits_of(tiny), rtol=0, atol=0)
-    gguf_path.write_bytes(b"GGUF a different file")
-    assert _gguf_cache_key(gguf_path) != converted.name
+    torch.testing.assert_close(logits, logits_of(tiny), rtol=0, atol=0)
+    gguf_path.write_bytes(gguf_path.read_bytes() + bytes(32))
+    assert gguf_cache_key(gguf_path) != converted.name
 
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    """SmolLM2-135M from the default cache: converted once (~40 s), then ~0.3 s per load."""
+    """SmolLM2-135M read from its GGUF; its dense model (`.model`) from the default cache:
+    converted once (~40 s), then ~0.3 s per load."""
     return load_model("smollm2-135m")
 
 
 def test_smollm2_loads_with_chat_template_and_shape(smollm2: LoadedModel):
-    """SmolLM2-135M-Instruct comes with ChatML, a 49152-token vocab and its real shape."""
+    """SmolLM2-135M-Instruct comes with ChatML, a 49152-token vocab and its real shape, all
+    read from the file's metadata."""
     tokenizer = smollm2.tokenizer
     assert len(tokenizer) == 49152
-    assert smollm2.model.config.vocab_size == 49152
+    assert smollm2.config.vocab_size == smollm2.vocab_size == 49152
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
     assert (smollm2.num_layers, smollm2.num_kv_heads, smollm2.head_dim) == (30, 3, 64)
     assert smollm2.max_model_len == 8192
@@ -199,15 +208,18 @@ def test_smollm2_answers_capital_of_france(smollm2: LoadedModel):
 
 
 def test_smollm2_second_load_reads_cache(smollm2: LoadedModel):
-    """Once converted, SmolLM2 loads from safetensors in the cache instead of converting again."""
+    """Once converted, SmolLM2's dense model loads from safetensors in the cache instead of
+    converting again."""
+    logits_of(smollm2)  # converted, if no earlier run did
     messages: list[str] = []
     again = load_model("smollm2-135m", progress=messages.append)
+    logits = logits_of(again)
 
-    assert any(m.startswith("using converted cache") for m in messages)
     assert not any("converting" in m for m in messages)
-    cache = Path(messages[0].removeprefix("using converted cache "))
+    [used] = [m for m in messages if m.startswith("using converted cache")]
+    cache = Path(used.removeprefix("using converted cache "))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in cache.iterdir()
     }
     assert not list(cache.parent.glob(".smollm2-135m.*"))  # no temp dir left behind
-    torch.testing.assert_close(logits_of(again), logits_of(smollm2), rtol=0, atol=0)
+    torch.testing.assert_close(logits, logits_of(smollm2), rtol=0, atol=0)

@@ -89,7 +89,8 @@ class SpeculativeConfig:
         sampled after them). The continuous policy asks it per sequence while it plans; a model
         proposer before, of every running sequence at the fewest rows a step can have (one per
         sequence). Which of them pay is the odds' call (`break_even`)."""
-        if not seq.speculates or not seq.num_output_tokens or seq.num_uncomputed_tokens != 1:
+        decoding = seq.num_output_tokens and seq.num_uncomputed_tokens == 1
+        if not seq.speculation.enabled or not decoding:
             return 0
         room = min(
             self.num_speculative_tokens,

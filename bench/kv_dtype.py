@@ -78,6 +78,7 @@ def run(
     from engine.config import EngineConfig
     from engine.llm_engine import Engine
     from engine.models.model_loader import load_model
+    from engine.speculative_options import SpeculativeOptions
 
     loaded = load_model(model)  # one copy of the weights; each engine its own pool
     engines = {
@@ -85,7 +86,7 @@ def run(
             EngineConfig(
                 model=model,
                 kv_cache_dtype=d,
-                speculative=speculative,
+                speculative=SpeculativeOptions(speculative),
                 max_num_seqs=1,
                 kv_cache_memory=kv_cache_memory,
                 enable_prefix_caching=False,

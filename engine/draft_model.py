@@ -49,7 +49,7 @@ def load_draft_model(
 ) -> LoadedModel | None:
     """The draft model `config` names, checked against `target` (None: no draft model). The
     target named as its own draft shares its weights."""
-    name = config.speculative_model
+    name = config.speculative.model
     if name is None:
         return None
     if name == config.model:

@@ -18,7 +18,7 @@ from scheduler.speculation.row_cost import break_even
 if TYPE_CHECKING:
     from scheduler.sequence import Sequence
 
-# "draft": a small model's greedy proposals; the engine installs its proposer (none here).
+# "draft": a small model's greedy proposals, from the engine's draft model (speculator.py).
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
@@ -101,7 +101,7 @@ class SpeculativeConfig:
 
     def break_even(self, batch: int) -> float:
         """row_cost.break_even at the configured row cost (the policy's measured one moves
-        away from it: `BatchingPolicy.row_cost`)."""
+        away from it: `Speculator.row_cost`)."""
         return break_even(self.draft_row_cost, batch)
 
 

@@ -64,7 +64,7 @@ class IllegalTransitionError(RuntimeError):
 @dataclass(slots=True, frozen=True)
 class SamplingLimits:
     """The stop conditions the scheduler itself can check. Stop *strings* need text: the
-    engine's detokenizer finds them (offline), or the gateway (served)."""
+    engine's detokenizer finds them offline, the gateway when served."""
 
     max_tokens: int
     # User stop ids plus EOS unless the request set ignore_eos: the caller builds the one set.

@@ -8,11 +8,12 @@ Step contract (the engine and the simulator drive every policy alike):
     sampled = run(plan)                      # one token for every chunk with `samples`
     released = policy.update(plan, sampled, stopped_seq_ids, now_after_step, accepted)
 
-`stopped_seq_ids`: sequences whose text reached a stop string (the engine's detokenizer finds
-them offline, the gateway when served). A chunk with draft tokens (speculative decoding,
-continuous batching only) gives its sequence the drafts the model accepted (`accepted`, in
-order) and then its sampled token. Who proposes drafts, and what they are measured against, is
-the policy's `Speculator` (scheduler/speculation/speculator.py), given when it is built.
+`stopped_seq_ids`: sequences whose text reached a stop string, as the engine's detokenizer
+found it (served, the gateway finds stop strings and has the request aborted). A chunk with
+draft tokens (speculative decoding, continuous batching only) gives its sequence the drafts the
+model accepted (`accepted`, in order) and then its sampled token. Who proposes drafts, and what
+they are measured against, is the policy's `Speculator` (scheduler/speculation/speculator.py),
+given when it is built.
 """
 
 from __future__ import annotations

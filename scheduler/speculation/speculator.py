@@ -34,6 +34,8 @@ from scheduler.speculation.row_cost import RowCost, break_even
 
 @dataclass(slots=True)
 class Speculator:
+    """One policy's speculative decoding; built by `speculator_for`."""
+
     config: SpeculativeConfig
     # Who proposes draft tokens; None: nobody (every decode is plain).
     proposer: Proposer | None = None

@@ -49,6 +49,7 @@ from engine.llm_engine import Engine
 from engine.models.model_loader import LoadedModel, describe_loaded, load_model
 from engine.models.random_models import RANDOM_PREFIX, build_random_model, random_model_config
 from engine.sampler import TokenHistory, adjust_logits, sample, with_seed
+from engine.speculative_options import SpeculativeOptions
 from engine.step_timing import StepTiming, sync_device
 from generation.sampling_params import SamplingParams
 
@@ -186,7 +187,7 @@ def _small_pool_engine(loaded: LoadedModel, num_blocks: int, speculative: str = 
         block_size=block_size,
         max_num_seqs=6,
         max_num_batched_tokens=32,
-        speculative=speculative,
+        speculative=SpeculativeOptions(speculative),
     )
     return Engine(config, loaded=loaded)
 
@@ -340,7 +341,7 @@ def _decode_step_ms(
         enable_prefix_caching=False,
         enforce_eager=enforce_eager,
         decode_attention=decode_attention or profile.decode_attention,
-        speculative="none",  # plain decode steps: the step's cost, graphs and all
+        speculative=SpeculativeOptions("none"),  # plain decode steps: the cost, graphs and all
     )
     engine = Engine(config, loaded=loaded)
     rng = random.Random(batch)

@@ -71,13 +71,14 @@ def budget_bytes(config: EngineConfig, device: torch.device, step_peak: int | No
 
 def draft_budget_bytes(config: EngineConfig, budget: int) -> int:
     """What the draft model's KV pool takes out of the KV budget `budget` (0: no draft model)."""
-    if config.speculative_model is None:
+    spec = config.speculative
+    if spec.model is None:
         return 0
-    if config.speculative_kv_cache_memory is not None:
-        wanted = parse_bytes(config.speculative_kv_cache_memory)
+    if spec.kv_cache_memory is not None:
+        wanted = parse_bytes(spec.kv_cache_memory)
         if wanted >= budget:
             raise ValueError(
-                f"--speculative-kv-cache-memory {config.speculative_kv_cache_memory} leaves "
+                f"--speculative-kv-cache-memory {spec.kv_cache_memory} leaves "
                 f"nothing of the KV budget ({budget} B) to the target model"
             )
         return wanted

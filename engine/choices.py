@@ -105,9 +105,9 @@ class ChoiceFactory:
             detok = IncrementalDetokenizer.create(self.tokenizer, prompt, params.stop)
             for token in resumed:
                 detok.add(token)
-        seq.speculates = True  # every kind of row verifies exactly (engine/speculative.py)
+        seq.speculation.enabled = True  # every kind of row verifies exactly (engine/speculative.py)
         if params.prediction_token_ids:
-            seq.prediction = Prediction(params.prediction_token_ids)
+            seq.speculation.prediction = Prediction(params.prediction_token_ids)
         req = ChoiceState(seq, with_seed(params), detok, request_id, index)
         if params.grammar is not None:  # GrammarError before anything is queued
             req.matcher = self.grammars.matcher(params.grammar, resumed)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from scheduler import POLICIES, SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
+from engine.speculative_options import FLAT_FIELDS, SpeculativeOptions
+from scheduler import POLICIES, SchedulerConfig
 from scheduler.config import SCHEDULER_DEFAULTS as SCHED
-
-_Number = TypeVar("_Number", int, float)
-
-SPEC = SCHED.speculative
-SPECULATIVE_CHOICES = ("auto", *SPECULATIVE_METHODS)
 
 if TYPE_CHECKING:  # torch loads with the engine, not with the command line's flag parsing
     import torch
@@ -57,38 +54,10 @@ class EngineConfig:
     max_queue_delay: float = SCHED.max_queue_delay  # seconds; dynamic batching only
     reserve_full_length: bool = SCHED.reserve_full_length
     max_preemptions_per_seq: int = SCHED.max_preemptions_per_seq
-    # Speculative decoding (scheduler/speculation/): "ngram" verifies prompt-lookup drafts,
-    # "draft" a draft model's (speculative_model, which implies it), "none" is off; "auto":
-    # a draft model's when one is named, else ngram under continuous batching (measured: 1.4-2.4x
-    # one user's tokens/s, a 64-request trace 1.0-1.04x; docs/performance.md), else none.
-    speculative: str = "auto"
-    num_speculative_tokens: int = SPEC.num_speculative_tokens
-    prompt_lookup_max: int = SPEC.prompt_lookup_max
-    prompt_lookup_min: int = SPEC.prompt_lookup_min
-    # Prompt lookup also resumes a copy after a token an edit replaced (scheduler/speculation/
-    # ngram.py); False: the tail's own n-grams only.
-    prompt_lookup_resume: bool = SPEC.prompt_lookup_resume
-    # Finished replies' tokens whose n-grams prompt lookup also proposes from (0: none).
-    speculative_history_tokens: int = SPEC.history_tokens
-    # Drafts only while a step's rows stay within this; None: the rows one pass of the CPU
-    # kernels serves where the forward is quantized (4-8 by ISA: speculative_step_rows in
-    # engine/startup.py), else SPEC.max_step_tokens.
-    speculative_max_step_tokens: int | None = None
-    # What one more row costs as a share of a one-row step: drafts are verified only while
-    # their measured odds of being kept pay for it (scheduler/speculation/odds.py); None:
-    # measured by the engine from its own decode steps (scheduler/speculation/row_cost.py),
-    # starting from the CPU kernels' level's figure where the forward is quantized
-    # (draft_row_cost in engine/startup.py), else SPEC.draft_row_cost; a number fixes it (0:
-    # every draft the other limits allow).
-    speculative_draft_row_cost: float | None = None
-    # No drafts while more sequences than this run (vLLM's disable_by_batch_size); None: only
-    # the row cap above stops them.
-    speculative_disable_by_batch_size: int | None = SPEC.disable_by_batch_size
-    # A draft model proposes instead (vLLM's --speculative-model): a small model with the
-    # target's tokenizer, greedy on its own KV pool (engine/draft_model.py); implies "draft".
-    speculative_model: str | None = None
-    # The draft model's KV pool, taken out of the KV budget ("64MiB"); None: DRAFT_KV_SHARE of it.
-    speculative_kv_cache_memory: str | None = None
+    # Speculative decoding (scheduler/speculation/; engine/speculative_options.py): its
+    # method, drafts, row cap and cost, draft model. The flags name its fields flat
+    # (`from_flat`).
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     max_model_len: int | None = None  # None: the model's, capped to what the KV cache holds
     enable_prefix_caching: bool = True
     # CUDA graphs for decode-only steps (engine/runner/decode_graphs.py); True: every step eager.
@@ -158,29 +127,27 @@ class EngineConfig:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.speculative not in SPECULATIVE_CHOICES:
-            raise ValueError(
-                f"speculative must be one of {SPECULATIVE_CHOICES}, got {self.speculative!r}"
+        if not isinstance(self.speculative, SpeculativeOptions):
+            raise TypeError(
+                f"speculative takes a SpeculativeOptions, got {self.speculative!r} (flat "
+                "settings such as speculative='ngram': EngineConfig.from_flat)"
             )
-        if self.speculative_model is not None and self.speculative not in ("auto", "none", "draft"):
-            raise ValueError(
-                f"--speculative-model proposes drafts itself; it cannot go with --speculative "
-                f"{self.speculative}"
-            )
-        if self.speculative == "draft" and self.speculative_model is None:
-            raise ValueError("speculative method draft needs a draft model (--speculative-model)")
-        if self.speculative_model is not None and self.batching != "continuous":
+        if self.speculative.model is not None and self.batching != "continuous":
             raise ValueError("a draft model speculates under continuous batching only")
         self.scheduler_config()  # validates the scheduler's share
 
-    @property
-    def speculative_method(self) -> str:
-        """`speculative` resolved: "draft" when a draft model is named; auto's choice."""
-        if self.speculative_model is not None:
-            return "draft"
-        if self.speculative == "auto":
-            return "ngram" if self.batching == "continuous" else "none"
-        return self.speculative
+    @classmethod
+    def from_flat(cls, **fields: Any) -> EngineConfig:
+        """A config from fields named as the flags name them: the speculative settings flat
+        (`speculative="ngram", speculative_max_step_tokens=64`: FLAT_FIELDS), the rest as this
+        class's own fields."""
+        return cls().replace_flat(**fields)
+
+    def replace_flat(self, **fields: Any) -> EngineConfig:
+        """This config with `fields` changed, named as `from_flat` takes them."""
+        flat = {FLAT_FIELDS[name]: fields.pop(name) for name in list(fields) if name in FLAT_FIELDS}
+        speculative = dataclasses.replace(self.speculative, **flat)
+        return dataclasses.replace(self, **fields, speculative=speculative)
 
     @property
     def torch_device(self) -> torch.device:
@@ -210,21 +177,5 @@ class EngineConfig:
             max_queue_delay=self.max_queue_delay,
             reserve_full_length=self.reserve_full_length,
             max_preemptions_per_seq=self.max_preemptions_per_seq,
-            speculative=SpeculativeConfig(
-                self.speculative_method,
-                self.num_speculative_tokens,
-                self.prompt_lookup_max,
-                self.prompt_lookup_min,
-                _first_set(max_step_tokens, self.speculative_max_step_tokens, SPEC.max_step_tokens),
-                _first_set(draft_row_cost, self.speculative_draft_row_cost, SPEC.draft_row_cost),
-                # Unless configured, the engine measures it from its steps (that start is a guess).
-                measure_row_cost=self.speculative_draft_row_cost is None,
-                history_tokens=self.speculative_history_tokens,
-                prompt_lookup_resume=self.prompt_lookup_resume,
-                disable_by_batch_size=self.speculative_disable_by_batch_size,
-            ),
+            speculative=self.speculative.resolve(self.batching, max_step_tokens, draft_row_cost),
         )
-
-
-def _first_set(*values: _Number | None) -> _Number:
-    return next(v for v in values if v is not None)

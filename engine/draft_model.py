@@ -11,10 +11,12 @@ batched across them, one forward per draft position:
    logits give draft 1), whatever it has not seen: the step's correction or bonus token, the
    whole prompt the first time, tokens decoded while the batch was too large to speculate;
 3. each later pass feeds the previous draft and gives the next, for the mirrors that want more.
-The policy then reads them through the proposer seam (`propose`, scheduler/speculation/) and
-verifies what fits the step. A mirror is dropped when its sequence leaves the batch (finished,
-preempted, aborted: `forget`); a worker taking a request over starts without one and catches it
-up from the prompt like any new mirror.
+How many each may want, and how many pay, `draft` reads from the policy's Speculator (its
+settings, odds and row cost: scheduler/speculation/speculator.py), passed in each round. The
+policy then reads them through the proposer seam (`propose`) and verifies what fits the step.
+A mirror is dropped when its sequence leaves the batch (finished, preempted, aborted:
+`forget`); a worker taking a request over starts without one and catches it up from the prompt
+like any new mirror.
 """
 
 from __future__ import annotations
@@ -30,15 +32,8 @@ from engine.runner.model_runner import ModelRunner, resolve_forward
 from engine.sampler import sample
 from engine.startup import decode_attention_for, kv_cache_spec
 from generation.sampling_params import SamplingParams
-from scheduler import (
-    BlockIntegrityError,
-    KVBlockManager,
-    ScheduledChunk,
-    SchedulerConfig,
-    Sequence,
-    StepPlan,
-)
-from scheduler.speculation import MODEL_KIND, DraftOdds, Proposal, RowCost, break_even
+from scheduler import BlockIntegrityError, KVBlockManager, ScheduledChunk, Sequence, StepPlan
+from scheduler.speculation import MODEL_KIND, Proposal, Speculator
 
 logger = logging.getLogger("jitney.engine.draft")
 
@@ -54,7 +49,7 @@ def load_draft_model(
 ) -> LoadedModel | None:
     """The draft model `config` names, checked against `target` (None: no draft model). The
     target named as its own draft shares its weights."""
-    name = config.speculative_model
+    name = config.speculative.model
     if name is None:
         return None
     if name == config.model:
@@ -89,7 +84,6 @@ class DraftModel:
         loaded: LoadedModel,
         kv_bytes: int,
         vocab_size: int,
-        scheduler: SchedulerConfig,
     ):
         device = config.torch_device
         # Its weights as --quantization auto would keep them (dense in the exact mode).
@@ -106,11 +100,6 @@ class DraftModel:
         self.runner = ModelRunner(forward, PagedKVCache(spec, num_blocks, device, kernel))
         self.kv = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.name = loaded.name
-        self.spec = scheduler.speculative  # the target's (its row cap as start-up resolved it)
-        # The policy's odds (the engine shares them): passes past the drafts they pay for are
-        # not run.
-        self.odds = DraftOdds()
-        self.row_cost = RowCost(self.spec.draft_row_cost)  # and its row cost
         self.max_model_len = loaded.max_model_len
         self.max_catch_up_tokens = config.max_num_batched_tokens  # per step, over all mirrors
         self.vocab_size = vocab_size  # the target's: ids past it (a padded head's) never proposed
@@ -130,13 +119,14 @@ class DraftModel:
         return Proposal(self._proposed.get(seq.seq_id, [])[:max_tokens], MODEL_KIND)
 
     # ----- one round, before the step is planned --------------------------------------------
-    def draft(self, running: SequenceABC[Sequence]) -> None:
+    def draft(self, running: SequenceABC[Sequence], speculator: Speculator) -> None:
         """Propose for every running sequence that may verify in the next step, as many
-        drafts as it may verify there at most (SpeculativeConfig.num_drafts)."""
+        drafts as it may verify there at most (SpeculativeConfig.num_drafts) and as the
+        policy's `speculator` says pay: passes past them are not run."""
         self._proposed = {}
-        if not self.spec.batch_speculates(len(running)):
+        if not speculator.config.batch_speculates(len(running)):
             return
-        wanted = [(seq, self._num_drafts(seq, len(running))) for seq in running]
+        wanted = [(seq, self._num_drafts(seq, len(running), speculator)) for seq in running]
         wanted = [(seq, k) for seq, k in wanted if k > 0]
         if not wanted:
             return
@@ -144,14 +134,13 @@ class DraftModel:
         for j in range(1, max((k for _, k in going), default=0)):
             self._extend([mirror for mirror, k in going if k > j])
 
-    def _num_drafts(self, seq: Sequence, rows: int) -> int:
+    def _num_drafts(self, seq: Sequence, rows: int, speculator: Speculator) -> int:
         # The draft computes positions up to num_tokens + k - 2: within its own context.
-        k = min(self.spec.num_drafts(seq, rows), self.max_model_len - seq.num_tokens)
+        k = min(speculator.config.num_drafts(seq, rows), self.max_model_len - seq.num_tokens)
         # As many as pay at this batch (`rows`: one per running sequence); at least the first,
         # which the catch-up pass gives anyway (and the policy's probe may verify).
-        paying = self.odds.paying(
-            MODEL_KIND, k, break_even(self.row_cost.cost, rows), seq.draft_counts
-        )
+        own = seq.speculation.draft_counts
+        paying = speculator.odds.paying(MODEL_KIND, k, speculator.break_even(rows), own)
         return min(k, max(paying, 1))
 
     def _catch_up(self, wanted: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:

@@ -105,7 +105,7 @@ class EngineView:
     def draft_row_cost(self) -> float:
         """What a draft row costs as a share of a one-row step: measured from the engine's
         decode steps unless configured (scheduler/speculation/row_cost.py)."""
-        return self._engine.policy.row_cost.cost
+        return self._engine.policy.speculator.row_cost.cost
 
     # ----- KV blocks -----------------------------------------------------------------------
     @property
@@ -176,7 +176,7 @@ class EngineView:
             seq.num_computed_tokens,
             seq.num_tokens,
             seq.priority,
-            seq.num_step_tokens,
+            seq.speculation.num_step_tokens,
         )
 
     # ----- the device ----------------------------------------------------------------------

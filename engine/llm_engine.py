@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 
 import torch
 
@@ -55,6 +56,7 @@ from scheduler import (
     StepPlan,
     make_policy,
 )
+from scheduler.speculation import speculator_for
 
 logger = logging.getLogger("jitney.engine")
 
@@ -89,9 +91,7 @@ class Engine:
         self.drafter = (
             None
             if draft is None
-            else DraftModel(
-                config, draft, self.startup.draft_kv_bytes, self.vocab_size, self.scheduler_config
-            )
+            else DraftModel(config, draft, self.startup.draft_kv_bytes, self.vocab_size)
         )
         self.choices = ChoiceTable()  # every live choice of every request
         # One source of truth: the blocks the memory budget yields are the scheduler's budget.
@@ -111,13 +111,14 @@ class Engine:
         blocks = KVBlockManager(
             self.capacity.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        policy = make_policy(config.batching, self.scheduler_config, blocks)
-        proposer = self.drafter or policy.proposer
-        if self.drafter is not None:  # it drafts only as far as the policy's odds will verify
-            self.drafter.odds = policy.odds
-            self.drafter.row_cost = policy.row_cost
-        if proposer is not None:  # drafts a grammar refuses are cut before the scheduler's plan
-            policy.proposer = GrammarChecked(proposer, self.choices)
+        # Who proposes: the draft model where there is one (else what the method says), its
+        # drafts cut where a grammar refuses them before the scheduler's plan sees them.
+        speculator = speculator_for(
+            self.scheduler_config.speculative,
+            self.drafter,
+            partial(GrammarChecked, choices=self.choices),
+        )
+        policy = make_policy(config.batching, self.scheduler_config, blocks, speculator)
         return blocks, policy
 
     @property
@@ -278,7 +279,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         clock = PhaseClock()
         if self.drafter is not None:  # the drafts the plan may verify, one batched pass each
-            self.drafter.draft(self.policy.running)
+            self.drafter.draft(self.policy.running, self.policy.speculator)
             clock.lap("propose")
         plan = self.policy.schedule(time.monotonic())
         clock.lap("schedule")
@@ -287,7 +288,7 @@ class Engine:
         outputs = self._postprocess(plan, result)
         clock.lap("postprocess")
         if plan.chunks and not any(chunk.is_prefill for chunk in plan.chunks):
-            self.policy.row_cost.observe(plan.num_batched_tokens, clock.timing.total)
+            self.policy.speculator.row_cost.observe(plan.num_batched_tokens, clock.timing.total)
             clock.lap("postprocess")  # the pricing's own time, so the phases still cover the step
         self.last_step_timing = clock.timing
         self._check_pool_if_idle()

@@ -103,9 +103,9 @@ def final_output(req: ChoiceState, delta: RequestOutput | None = None) -> Reques
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
         num_cached_tokens=seq.num_cached_tokens,
-        num_draft_tokens=seq.num_draft_tokens,
-        num_accepted_tokens=seq.num_accepted_tokens,
-        num_verifications=seq.num_verifications,
+        num_draft_tokens=seq.speculation.num_draft_tokens,
+        num_accepted_tokens=seq.speculation.num_accepted_tokens,
+        num_verifications=seq.speculation.num_verifications,
     )
     if delta is not None:
         final.new_token_ids = delta.new_token_ids

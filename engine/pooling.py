@@ -49,7 +49,7 @@ class Pooler:
 
     def add(self, seq: Sequence) -> None:
         """Pool `seq` (not yet scheduled). Mean pooling computes every prompt position."""
-        seq.speculates = False  # it never decodes
+        seq.speculation.enabled = False  # it never decodes
         if self.method == "mean":
             seq.uses_prefix_cache = False
         self.by_seq[seq.seq_id] = _Pooling(seq)

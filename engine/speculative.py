@@ -88,7 +88,7 @@ class PickRows:
         return cls(reqs + [reqs[i] for i in owners], offsets, first)
 
     def drafts_before(self, row: int) -> list[int]:
-        return self.reqs[row].seq.draft_token_ids[: self.offsets[row]]
+        return self.reqs[row].seq.speculation.draft_token_ids[: self.offsets[row]]
 
     def params(self) -> list[SamplingParams]:
         return [r.params for r in self.reqs]
@@ -133,7 +133,7 @@ def verify(
     k = picks.offsets[row]
     at = len(picks.first) + picks.first[row]
     rows = [*range(at, at + k), row]
-    drafts = req.seq.draft_token_ids
+    drafts = req.seq.speculation.draft_token_ids
     n = 0
     while n < k and drafts[n] == tokens[rows[n]]:
         n += 1

@@ -1,10 +1,11 @@
-"""vLLM's `--speculative-config` JSON, read into the engine's own speculation fields.
+"""vLLM's `--speculative-config` JSON, read into the engine's own speculation settings.
 
 vLLM (0.8 on) takes speculative decoding as one JSON object, `--speculative-config
 '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'`, where Jitney has
 one flag a setting. A deployment moving over keeps its object: each key it shares with Jitney
-sets the matching EngineConfig field, and anything else is refused by name, never dropped, so a
-setting the user relies on cannot silently stop applying. Pure: no torch, read with the flags.
+sets the matching flag's setting (named flat, as the flags are: engine/speculative_options.py
+FLAT_FIELDS), and anything else is refused by name, never dropped, so a setting the user relies
+on cannot silently stop applying. Pure: no torch, read with the flags.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# Key -> the EngineConfig field it sets (the same value, the same meaning).
+# Key -> the setting it sets, by its flat name (the same value, the same meaning).
 INT_KEYS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "prompt_lookup_max": "prompt_lookup_max",
@@ -26,13 +27,13 @@ NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 # Keys accepted at the one value that matches what Jitney does anyway.
 NEUTRAL_KEYS = {"draft_tensor_parallel_size": 1}
 KEYS = ("method", "model", *INT_KEYS, *NEUTRAL_KEYS)
-# The EngineConfig fields an object can set (each flag of these notes when it is given).
+# The settings an object can set, by flat name (each flag of these notes when it is given).
 FIELDS = ("speculative", "speculative_model", *INT_KEYS.values())
 
 
 def speculative_config_fields(text: str) -> dict[str, Any]:
-    """The EngineConfig fields a `--speculative-config` object sets; ValueError, naming the key,
-    for anything Jitney cannot honour."""
+    """The settings a `--speculative-config` object sets, by flat name (EngineConfig.from_flat
+    takes them); ValueError, naming the key, for anything Jitney cannot honour."""
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:

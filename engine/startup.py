@@ -20,7 +20,7 @@ import torch
 
 from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
 from engine.capacity import KVCapacity, budget_bytes, draft_budget_bytes, plan_capacity
-from engine.config import SPEC, EngineConfig
+from engine.config import EngineConfig
 from engine.kernels import kernel_backend
 from engine.kernels.build import DRAFT_ROW_COST, INTEGER_ISAS, ONE_PASS_TOKENS
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
@@ -29,6 +29,7 @@ from engine.models.forward import ModelForward
 from engine.models.loaded_model import LoadedModel
 from engine.runner.decode_graphs import CudaGraphCapture, graph_reserved_bytes
 from engine.runner.model_runner import QUANTIZED_FORWARDS, ModelRunner, resolve_forward
+from engine.speculative_options import SPEC
 
 logger = logging.getLogger("jitney.engine")
 
@@ -96,12 +97,12 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
 
 
 def speculative_step_rows(config: EngineConfig, forward_name: str) -> int:
-    """`speculative_max_step_tokens`, with None resolved: where the forward runs the CPU's
+    """`speculative.max_step_tokens`, with None resolved: where the forward runs the CPU's
     quantized kernels, the tokens one pass of them serves at the level in use (a row more
     starts a second pass: on a Zen 3 at avx2-int16 the linears of 6 rows cost 1.8x one row's
     and of 8 rows 2.7x; docs/notes/speculation.md), else SPEC.max_step_tokens."""
-    if config.speculative_max_step_tokens is not None:
-        return config.speculative_max_step_tokens
+    if config.speculative.max_step_tokens is not None:
+        return config.speculative.max_step_tokens
     if (isa := _one_pass_isa(forward_name)) is not None:
         rows = ONE_PASS_TOKENS[isa]
         logger.info("speculation: up to %d rows a step (one pass at %s)", rows, isa)
@@ -110,11 +111,11 @@ def speculative_step_rows(config: EngineConfig, forward_name: str) -> int:
 
 
 def draft_row_cost(config: EngineConfig, forward_name: str) -> float:
-    """`speculative_draft_row_cost`, with None resolved: the measured share of a step one more
+    """`speculative.draft_row_cost`, with None resolved: the measured share of a step one more
     row costs at the CPU kernels' level in use where the forward is quantized, else
     SPEC.draft_row_cost."""
-    if config.speculative_draft_row_cost is not None:
-        return config.speculative_draft_row_cost
+    if config.speculative.draft_row_cost is not None:
+        return config.speculative.draft_row_cost
     isa = _one_pass_isa(forward_name)
     return SPEC.draft_row_cost if isa is None else DRAFT_ROW_COST[isa]
 

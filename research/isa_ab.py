@@ -93,13 +93,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.config import EngineConfig
     from engine.llm_engine import Engine
+    from engine.speculative_options import SpeculativeOptions
 
     torch.set_num_threads(args.threads)
     requests = json.loads(Path(args.trace).read_text())["requests"]
     engine = Engine(
         EngineConfig(
             model=args.model,
-            speculative=args.speculative,
+            speculative=SpeculativeOptions(args.speculative),
             quantization=args.quantization,
             max_num_seqs=1,
         )

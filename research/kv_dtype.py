@@ -77,6 +77,7 @@ def run(
     from engine.config import EngineConfig
     from engine.llm_engine import Engine
     from engine.models.model_loader import load_model
+    from engine.speculative_options import SpeculativeOptions
     from research.perplexity import reference_text
 
     loaded = load_model(model)  # one copy of the weights; each engine its own pool
@@ -85,7 +86,7 @@ def run(
             EngineConfig(
                 model=model,
                 kv_cache_dtype=d,
-                speculative=speculative,
+                speculative=SpeculativeOptions(speculative),
                 max_num_seqs=1,
                 kv_cache_memory=kv_cache_memory,
                 enable_prefix_caching=False,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
+from engine.speculative_options import SpeculativeOptions
 from generation.sampling_params import SamplingParams
 
 GARBAGE = "nothing like the reply at all; " * 20
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prediction", choices=("reply", "garbage"), default="reply")
     args = p.parse_args(argv)
     requests = json.loads(Path(args.trace).read_text())["requests"]
-    engine = Engine(EngineConfig(model=args.model, max_num_seqs=1, speculative_history_tokens=0))
+    no_history = SpeculativeOptions(history_tokens=0)
+    engine = Engine(EngineConfig(model=args.model, max_num_seqs=1, speculative=no_history))
     tokenizer = engine.loaded.tokenizer
     cases = []
     for r in requests:

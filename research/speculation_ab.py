@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,7 @@ def run_ab(
     runs: dict[str, list[RunResult]] = {OFF: [], mode: []}
     for r in range(rounds):
         order = (OFF, mode) if r % 2 == 0 else (mode, OFF)
-        configs = [replace(config, speculative=m) for m in order]
+        configs = [config.replace_flat(speculative=m) for m in order]
         if pairing == "lockstep":
             in_turn = [TraceRun(c, loaded, requests, stop_at_eos=stop_at_eos) for c in configs]
             run_in_turn(in_turn)
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_prompt_lookup_resume:
         overrides["prompt_lookup_resume"] = False
     try:
-        config = replace(config, **overrides)
+        config = config.replace_flat(**overrides)
         check_pairing(config, args.pairing)
     except ValueError as e:
         p.error(str(e))

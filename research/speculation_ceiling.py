@@ -155,10 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from engine.config import EngineConfig
     from engine.llm_engine import Engine
+    from engine.speculative_options import SpeculativeOptions
     from generation.sampling_params import SamplingParams
 
     requests = json.loads(Path(args.trace).read_text())["requests"]
-    engine = Engine(EngineConfig(model=args.model, speculative="none"))
+    engine = Engine(EngineConfig(model=args.model, speculative=SpeculativeOptions("none")))
     prompts = [r["prompt_ids"] for r in requests]
     params = [
         SamplingParams(

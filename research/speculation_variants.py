@@ -5,7 +5,8 @@
 
 research.speculation_ab pairs off with one mode; tuning a proposer or the policy compares two
 settings that differ by a few percent, less than this machine drifts between runs. Here every
-variant (EngineConfig fields on top of the defaults, `NAME:` alone being the defaults) and
+variant (engine settings on top of the defaults, named as the flags name them: EngineConfig's
+fields, the speculative ones flat; `NAME:` alone being the defaults) and
 speculation off run the trace in lockstep (research.speculation_ab.run_in_turn: the engines take
 steps in turn, each timed by its own steps), who goes first rotating every round. Reports each
 round's tokens/s and speed-up over off, and per variant the speed-up of the means (the rounds'
@@ -34,6 +35,7 @@ from bench.offline import TraceRun
 from bench.trace import TraceRequest
 from engine.config import EngineConfig
 from engine.models.model_loader import LoadedModel
+from engine.speculative_options import FLAT_FIELDS, SpeculativeOptions
 from research.speculation_ab import ModeSummary, run_in_turn, summarize_mode, summary_json
 
 OFF = "off"
@@ -44,7 +46,7 @@ LOAD_FIELDS = ("model", "device", "dtype", "cache_dir")
 @dataclass(frozen=True, slots=True)
 class Variant:
     name: str
-    settings: dict[str, Any]  # EngineConfig fields set on top of the base config
+    settings: dict[str, Any]  # settings on top of the base config, flat (EngineConfig.from_flat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +65,16 @@ class VariantsReport:
 
 
 def parse_variant(text: str) -> Variant:
-    """`NAME:FIELD=VALUE,...` into a Variant whose values have their EngineConfig field's type
-    (`none` for an optional field's None, `true`/`false` for a switch)."""
+    """`NAME:FIELD=VALUE,...` into a Variant whose values have their setting's type (`none` for
+    an optional field's None, `true`/`false` for a switch)."""
     name, sep, rest = text.partition(":")
     if not sep or not name or name == OFF:
         raise ValueError(f"a variant is NAME:FIELD=VALUE,... (NAME not {OFF!r}), got {text!r}")
-    hints = typing.get_type_hints(EngineConfig)
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    hints = _flat_hints()
     settings: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         field, eq, value = item.partition("=")
-        if not eq or field not in fields:
+        if not eq or field not in hints:
             raise ValueError(f"variant {name}: {item!r} is not FIELD=VALUE of an engine field")
         if field in LOAD_FIELDS:
             raise ValueError(
@@ -81,6 +82,15 @@ def parse_variant(text: str) -> Variant:
             )
         settings[field] = _typed(value, hints[field], f"variant {name}: {field}")
     return Variant(name, settings)
+
+
+def _flat_hints() -> dict[str, Any]:
+    """Each engine setting's type by its flat name (the speculative ones as FLAT_FIELDS names)."""
+    engine = typing.get_type_hints(EngineConfig)
+    speculative = typing.get_type_hints(SpeculativeOptions)
+    flat = {name: speculative[field] for name, field in FLAT_FIELDS.items()}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative"}
+    return {**{name: engine[name] for name in fields}, **flat}
 
 
 def _typed(value: str, hint: Any, where: str) -> Any:
@@ -108,7 +118,7 @@ def check_variants(config: EngineConfig, variants: Sequence[Variant], rounds: in
     if not names or len(set(names)) != len(names):
         raise ValueError("at least one variant is needed, and each its own name")
     for v in variants:
-        replace(config, **v.settings)
+        config.replace_flat(**v.settings)
 
 
 def run_variants(
@@ -122,8 +132,8 @@ def run_variants(
     """`rounds` lockstep runs of the trace with speculation off and with each variant."""
     check_variants(config, variants, rounds)
     names = [OFF, *(v.name for v in variants)]
-    configs = {OFF: replace(config, speculative="none")}
-    configs |= {v.name: replace(config, **v.settings) for v in variants}
+    configs = {OFF: config.replace_flat(speculative="none")}
+    configs |= {v.name: config.replace_flat(**v.settings) for v in variants}
     runs: dict[str, list[RunResult]] = {name: [] for name in names}
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]

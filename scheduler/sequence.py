@@ -63,7 +63,8 @@ class IllegalTransitionError(RuntimeError):
 
 @dataclass(slots=True, frozen=True)
 class SamplingLimits:
-    """The stop conditions the scheduler itself can check (stop *strings* need text: worker)."""
+    """The stop conditions the scheduler itself can check. Stop *strings* need text: the
+    engine's detokenizer finds them offline, the gateway when served."""
 
     max_tokens: int
     # User stop ids plus EOS unless the request set ignore_eos: the caller builds the one set.
@@ -72,6 +73,41 @@ class SamplingLimits:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(slots=True)
+class SpeculationState:
+    """A sequence's speculative decoding (scheduler/speculation/), kept apart from its tokens:
+    the policy fills it while it plans and updates steps, the proposers read it."""
+
+    # The engine allows draft tokens for it: nothing but the model's logits and the row's own
+    # sampling settings decide each position's token.
+    enabled: bool = False
+    # Proposed after the last known token for the step being planned; the step keeps the ones
+    # the model agrees with (output tokens then) and drops the rest.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # What proposed them (DraftOdds' kind): their verification's result is measured by it.
+    draft_kind: int = 0
+    # Its own verifications' counts by (kind, position): its odds lean on them as they grow.
+    draft_counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # Prompt lookup's index of its text (speculation/ngram_index.py), built at its first proposal.
+    lookup_index: NgramIndex | None = None
+    # The reply its caller expects (OpenAI's `prediction`): drafted from first (prediction.py).
+    prediction: Prediction | None = None
+    # Its speculation so far (on this worker): draft tokens verified, those kept, verifications.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+    # Output tokens its latest sampling step gave it: 1 for a decode, the kept drafts and the
+    # sampled token for a verification (the live view shows it).
+    num_step_tokens: int = 0
+
+    def verified(self, num_drafts: int, num_kept: int) -> None:
+        """A verification of `num_drafts` drafts kept `num_kept`: its drafts are spent."""
+        self.draft_token_ids = []
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_kept
+        self.num_verifications += 1
 
 
 @dataclass(slots=True, eq=False)
@@ -98,27 +134,8 @@ class Sequence:
     # False: never served from the prefix cache (every prompt position is computed, e.g. because
     # the request wants each prompt token's log-prob); its blocks still serve other requests.
     uses_prefix_cache: bool = True
-    # The engine allows draft tokens for it (speculative decoding): nothing but the model's
-    # logits and the row's own sampling settings decide each position's token.
-    speculates: bool = False
-    # Proposed after the last known token for the step being planned; the step keeps the ones
-    # the model agrees with (output tokens then) and drops the rest.
-    draft_token_ids: list[int] = field(default_factory=list)
-    # What proposed them (DraftOdds' kind): their verification's result is measured by it.
-    draft_kind: int = 0
-    # Its own verifications' counts by (kind, position): its odds lean on them as they grow.
-    draft_counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    # Prompt lookup's index of its text (speculation/ngram_index.py), built at its first proposal.
-    lookup_index: NgramIndex | None = None
-    # The reply its caller expects (OpenAI's `prediction`): drafted from first (prediction.py).
-    prediction: Prediction | None = None
-    # Its speculation so far (on this worker): draft tokens verified, those kept, verifications.
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verifications: int = 0
-    # Output tokens its latest sampling step gave it: 1 for a decode, the kept drafts and the
-    # sampled token for a verification (the live view shows it).
-    num_step_tokens: int = 0
+    # Its speculative decoding: whether it may, its drafts in flight, their odds, its totals.
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

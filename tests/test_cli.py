@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import pytest
 
@@ -117,11 +118,11 @@ def test_no_prompt_lookup_resume_reaches_the_proposer_and_the_workers_up_starts(
     args = build_parser(["up"]).parse_args(["up", "--no-prompt-lookup-resume"])
     config = engine_config_from_args(args).scheduler_config()
     assert config.speculative.prompt_lookup_resume is False
-    assert ContinuousBatching(config, KVBlockManager(8, 4)).proposer.resume is False
+    assert ContinuousBatching(config, KVBlockManager(8, 4)).speculator.proposer.resume is False
     assert "--no-prompt-lookup-resume" in engine_args_to_argv(args)
     bare = build_parser(["worker"]).parse_args(["worker"])
     config = engine_config_from_args(bare).scheduler_config()
-    assert ContinuousBatching(config, KVBlockManager(8, 4)).proposer.resume is True
+    assert ContinuousBatching(config, KVBlockManager(8, 4)).speculator.proposer.resume is True
     assert "--no-prompt-lookup-resume" not in engine_args_to_argv(bare)
 
 
@@ -131,17 +132,23 @@ def test_max_preemptions_per_seq_below_one_is_refused():
         engine_config_from_args(args)
 
 
-def flag_defaults(command: str, *configs: type) -> tuple[dict[str, object], dict[str, object]]:
+def flag_defaults(
+    command: str, *configs: type, flat_names: Mapping[type, Mapping[str, str]] | None = None
+) -> tuple[dict[str, object], dict[str, object]]:
     """(each valued flag's default by dest, a sentinel per config field): the parser built while
     every plain field default of `configs` is a sentinel, so a flag that took its default from
-    its field holds that field's sentinel, and one with a literal of its own holds the literal."""
+    its field holds that field's sentinel, and one with a literal of its own holds the literal.
+    A sentinel is keyed by its field's name, or by the flat name `flat_names[config]` gives it
+    (flat name -> field)."""
     sentinels: dict[str, object] = {}
     with pytest.MonkeyPatch.context() as mp:
         for config in configs:
+            flat = {field: name for name, field in (flat_names or {}).get(config, {}).items()}
             for f in dataclasses.fields(config):
                 if f.default is not dataclasses.MISSING:
-                    sentinels[f.name] = object()
-                    mp.setattr(f, "default", sentinels[f.name])
+                    key = flat.get(f.name, f.name)
+                    sentinels[key] = object()
+                    mp.setattr(f, "default", sentinels[key])
         parser = build_parser([command])
     (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     actions = sub.choices[command]._actions
@@ -149,16 +156,21 @@ def flag_defaults(command: str, *configs: type) -> tuple[dict[str, object], dict
 
 
 def test_every_engine_flag_defaults_to_its_engine_config_field():
-    """Each valued engine flag's default is EngineConfig's field (read, never written again), and
-    the switches are off where the fields are: no flags give exactly a bare EngineConfig."""
+    """Each valued engine flag's default is EngineConfig's field, or its speculative settings'
+    under the flag's flat name (read, never written again), and the switches are off where the
+    fields are: no flags give exactly a bare EngineConfig."""
     from engine.config import EngineConfig
+    from engine.speculative_options import FLAT_FIELDS, SpeculativeOptions
 
-    defaults, sentinels = flag_defaults("worker", EngineConfig)
+    flat_names = {SpeculativeOptions: FLAT_FIELDS}
+    defaults, sentinels = flag_defaults(
+        "worker", EngineConfig, SpeculativeOptions, flat_names=flat_names
+    )
     engine_flags = {dest: defaults[dest] for dest in defaults.keys() & sentinels.keys()}
-    assert (
-        set(engine_flags)
-        == {f.name for f in dataclasses.fields(EngineConfig)} - SWITCHED_ENGINE_FIELDS
-    ), "an engine field without a flag, or a flag under another name"
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative"} | set(FLAT_FIELDS)
+    assert set(engine_flags) == fields - SWITCHED_ENGINE_FIELDS, (
+        "an engine setting without a flag, or a flag under another name"
+    )
     for dest, default in engine_flags.items():
         assert default is sentinels[dest], f"--{dest.replace('_', '-')} writes its own default"
     args = build_parser(["worker"]).parse_args(["worker"])

@@ -1,4 +1,4 @@
-"""vLLM's `--speculative-config` object: each key it shares with Jitney sets that field, every
+"""vLLM's `--speculative-config` object: each key it shares with Jitney sets that setting, every
 other key and every value Jitney cannot honour is refused by name, and the flag reaches the
 engine, `jitney up`'s workers and `jitney generate`'s clear errors."""
 
@@ -11,9 +11,13 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.speculative_config_json import FIELDS, INT_KEYS, speculative_config_fields
+from engine.speculative_options import SpeculativeOptions
 from jitney.cli import build_parser
-from jitney.commands.engine_args import engine_args_to_argv, engine_config_from_args
-from jitney.flag_defaults import field_defaults
+from jitney.commands.engine_args import (
+    engine_args_to_argv,
+    engine_config_from_args,
+    engine_flag_defaults,
+)
 from tests.test_generate_command import TINY, jitney_generate
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 6}
@@ -56,7 +60,7 @@ def config_of(*argv: str) -> EngineConfig:
         ),
     ],
 )
-def test_each_key_sets_its_engine_field(config: dict, fields: dict):
+def test_each_key_sets_its_engine_setting(config: dict, fields: dict):
     assert speculative_config_fields(json.dumps(config)) == fields
 
 
@@ -93,18 +97,18 @@ def test_what_jitney_cannot_honour_is_refused_by_name(text: str, error: str):
 
 def test_the_flag_sets_the_engine_config():
     config = config_of("--speculative-config", json.dumps(NGRAM))
-    want = EngineConfig(speculative="ngram", num_speculative_tokens=5, prompt_lookup_max=6)
-    assert config == want
+    want = SpeculativeOptions("ngram", num_speculative_tokens=5, prompt_lookup_max=6)
+    assert config == EngineConfig(speculative=want)
     draft = config_of("--speculative-config", '{"method": "draft_model", "model": "tiny-random"}')
-    assert (draft.speculative_method, draft.speculative_model) == ("draft", "tiny-random")
+    assert draft.scheduler_config().speculative.method == "draft"
+    assert draft.speculative.model == "tiny-random"
     # Flags it does not name still apply beside it.
     config = config_of("--speculative-config", json.dumps(NGRAM), "--prompt-lookup-min", "3")
-    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 6)
+    assert (config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max) == (3, 6)
     cutoff = config_of("--speculative-config", '{"method": "ngram", "disable_by_batch_size": 4}')
     assert cutoff.scheduler_config().speculative.disable_by_batch_size == 4
-    assert (
-        config_of("--speculative-disable-by-batch-size", "2").speculative_disable_by_batch_size == 2
-    )
+    two = config_of("--speculative-disable-by-batch-size", "2")
+    assert two.speculative.disable_by_batch_size == 2
 
 
 def test_a_field_set_both_ways_is_refused():
@@ -118,11 +122,9 @@ def test_a_field_set_both_ways_is_refused():
 
 
 # (A field whose default is None has no command line that repeats it: any value differs.)
-@pytest.mark.parametrize(
-    "field", [f for f in FIELDS if field_defaults(EngineConfig)[f] is not None]
-)
+@pytest.mark.parametrize("field", [f for f in FIELDS if engine_flag_defaults()[f] is not None])
 def test_every_field_the_object_sets_is_refused_beside_its_flag_even_at_its_default(field):
-    default = field_defaults(EngineConfig)[field]
+    default = engine_flag_defaults()[field]
     key = {v: k for k, v in INT_KEYS.items()}.get(field)
     text = json.dumps({"method": "ngram", **({key: default} if key else {})})
     flag = "--" + field.replace("_", "-")
@@ -141,7 +143,7 @@ def test_up_passes_it_to_its_workers_and_the_environment_sets_it(monkeypatch):
     text = json.dumps(NGRAM)
     monkeypatch.setenv("JITNEY_SPECULATIVE_CONFIG", text)
     args = build_parser(["up"]).parse_args(["up"])
-    assert engine_config_from_args(args).num_speculative_tokens == 5
+    assert engine_config_from_args(args).speculative.num_speculative_tokens == 5
     argv = engine_args_to_argv(args)
     assert argv[argv.index("--speculative-config") + 1] == text
     worker = build_parser(["worker"]).parse_args(["worker", *argv])

@@ -250,7 +250,7 @@ class ModelRunner:
                 layout.append((chunk.start + j, 1, blocks))
                 keys.append(chunk.seq_id)
                 sample.append(False)
-                input_ids.append(seq.draft_token_ids[j])
+                input_ids.append(seq.speculation.draft_token_ids[j])
             layout.append((chunk.start + chunk.num_draft_tokens, 1, blocks))
             keys.append(chunk.seq_id)
             sample.append(True)

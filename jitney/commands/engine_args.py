@@ -26,6 +26,17 @@ class _StoreNotingGiven(argparse.Action):
         setattr(namespace, GIVEN_FLAGS, given | {self.dest})
 
 
+def engine_flag_defaults() -> dict[str, object]:
+    """Every engine flag's default by its flat name: EngineConfig's own fields, and its
+    speculative settings' (SpeculativeOptions) under the flags' names (FLAT_FIELDS)."""
+    from engine.config import EngineConfig
+    from engine.speculative_options import FLAT_FIELDS, SpeculativeOptions
+
+    speculative = field_defaults(SpeculativeOptions)
+    flat = {name: speculative[field] for name, field in FLAT_FIELDS.items()}
+    return {**field_defaults(EngineConfig), **flat}
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     # Every default is EngineConfig's own field (its batching fields are SchedulerConfig's), so a
     # bare Engine and `jitney worker` without flags cannot disagree. Imported here, not at the
@@ -36,11 +47,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         MODEL_IMPLS,
         POOLING_METHODS,
         QUANTIZATIONS,
-        SPECULATIVE_CHOICES,
-        EngineConfig,
     )
+    from engine.speculative_options import SPECULATIVE_CHOICES
 
-    engine = field_defaults(EngineConfig)
+    engine = engine_flag_defaults()
     g = p.add_argument_group("engine")
     g.add_argument(
         "--model",
@@ -349,7 +359,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
     if args.speculative_config is not None:
         fields.update(_speculative_config_fields(args))
     fields.update(overrides)
-    return EngineConfig(**fields)  # type: ignore[arg-type]
+    return EngineConfig.from_flat(**fields)
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -362,13 +372,12 @@ def _chat_template(value: str | None) -> str | None:
 
 
 def _speculative_config_fields(args: argparse.Namespace) -> dict[str, object]:
-    """--speculative-config's fields; a field its own flag also sets is refused (which wins
-    would be a guess)."""
-    from engine.config import EngineConfig
+    """--speculative-config's fields (flat names); a field its own flag also sets is refused
+    (which wins would be a guess)."""
     from engine.speculative_config_json import speculative_config_fields
 
     fields = speculative_config_fields(args.speculative_config)
-    defaults = field_defaults(EngineConfig)
+    defaults = engine_flag_defaults()
     given = getattr(args, GIVEN_FLAGS, None) or set()
     for field in fields:
         if field in given or getattr(args, field) != defaults[field]:

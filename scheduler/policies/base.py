@@ -6,10 +6,14 @@ A policy only decides *who* runs in a step (`schedule`); the bookkeeping after a
 Step contract (the engine and the simulator drive every policy alike):
     plan = policy.schedule(now)              # chunks to compute; KV already allocated
     sampled = run(plan)                      # one token for every chunk with `samples`
-    released = policy.update(plan, sampled, now_after_step)
+    released = policy.update(plan, sampled, stopped_seq_ids, now_after_step, accepted)
 
-A chunk with draft tokens (speculative decoding, continuous batching only) gives its sequence
-the drafts the model accepted (`accepted`, in order) and then its sampled token.
+`stopped_seq_ids`: sequences whose text reached a stop string, as the engine's detokenizer
+found it (served, the gateway finds stop strings and has the request aborted). A chunk with
+draft tokens (speculative decoding, continuous batching only) gives its sequence the drafts the
+model accepted (`accepted`, in order) and then its sampled token. Who proposes drafts, and what
+they are measured against, is the policy's `Speculator` (scheduler/speculation/speculator.py),
+given when it is built.
 """
 
 from __future__ import annotations
@@ -21,17 +25,7 @@ from scheduler.block_manager import KVBlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.plan import ScheduledChunk, SchedulerStats, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculation import (
-    DraftOdds,
-    NgramProposer,
-    OutputHistory,
-    Proposal,
-    Proposer,
-    RowCost,
-    SpeculativeConfig,
-)
-from scheduler.speculation.history import is_history_kind
-from scheduler.speculation.prediction import is_prediction_kind
+from scheduler.speculation import Proposal, Speculator, speculator_for
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -42,7 +36,11 @@ class InfeasibleRequestError(ValueError):
 class BatchingPolicy(ABC):
     name: str = "base"
 
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager):
+    def __init__(
+        self, config: SchedulerConfig, kv: KVBlockManager, speculator: Speculator | None = None
+    ):
+        """`speculator`: its speculative decoding, built for `config.speculative`
+        (`speculator_for`); None: the one those settings give without an engine."""
         self.config = config
         self.kv = kv
         # Waiting (and preempted, at the front of their priority) in admission order: by
@@ -52,21 +50,11 @@ class BatchingPolicy(ABC):
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
         self.stats = SchedulerStats(num_total_blocks=kv.num_blocks)
-        # Who proposes draft tokens (None: no speculation). A model proposer ("draft") lives in
-        # the engine, which sets it here (scheduler/speculation/proposer.py).
-        spec = config.speculative
-        # Finished replies' n-grams, which prompt lookup also proposes from (history.py).
-        self.history = (
-            OutputHistory(spec.history_tokens)
-            if spec.method == "ngram" and spec.history_tokens
-            else None
-        )
-        self.proposer: Proposer | None = _proposer_for(spec, self.history)
-        # How often each kind of proposal's drafts are kept: how many of them a step verifies.
-        self.odds = DraftOdds()
-        # What a draft row costs a step here, against which the odds must pay (the engine
-        # reports its steps when it measures it).
-        self.row_cost = RowCost(spec.draft_row_cost, spec.measure_row_cost, spec.max_step_tokens)
+        if speculator is None:
+            speculator = speculator_for(config.speculative)
+        elif speculator.config != config.speculative:
+            raise ValueError("the speculator was built for other speculative settings")
+        self.speculator = speculator
 
     # ----- requests in and out -----------------------------------------------------------------
     def add_request(self, seq: Sequence, front: bool = False) -> None:
@@ -129,10 +117,6 @@ class BatchingPolicy(ABC):
         """Sequences occupying a batch slot right now."""
         return list(self.running)
 
-    @property
-    def num_free_slots(self) -> int:
-        return max(0, self.config.max_num_seqs - len(self.running))
-
     # ----- one step ----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
@@ -156,9 +140,9 @@ class BatchingPolicy(ABC):
         now: float = 0.0,
         accepted: Mapping[str, list[int]] | None = None,
     ) -> list[Sequence]:
-        """Apply a step's results. `stopped_seq_ids` are sequences the worker found a stop
-        string in; `accepted`, the draft tokens each verifying sequence keeps (before its
-        sampled token). Returns the sequences released to their clients in this update."""
+        """Apply a step's results. `stopped_seq_ids` are sequences whose text reached a stop
+        string; `accepted`, the draft tokens each verifying sequence keeps (before its sampled
+        token). Returns the sequences released to their clients in this update."""
         done: list[Sequence] = []
         for chunk in plan.chunks:
             seq = self.seqs.get(chunk.seq_id)
@@ -173,7 +157,7 @@ class BatchingPolicy(ABC):
                 if not chunk.samples:
                     continue
                 finish = seq.append_token(sampled_token_ids[seq.seq_id])
-                seq.num_step_tokens = 1
+                seq.speculation.num_step_tokens = 1
             if finish is None and seq.seq_id in stopped_seq_ids:
                 finish = SequenceStatus.FINISHED_STOPPED
             if finish is not None:
@@ -187,26 +171,12 @@ class BatchingPolicy(ABC):
         """A verification's result: `tokens`, the accepted drafts then the sampled token. The
         fed token and the accepted drafts hold K/V now; the rejected drafts' slots go back to
         the pool. Returns the terminal status a kept token causes (the rest are not kept)."""
-        num_accepted, k = len(tokens) - 1, chunk.num_draft_tokens
+        num_accepted = len(tokens) - 1
         seq.num_computed_tokens = chunk.start + 1 + num_accepted
-        seq.draft_token_ids = []
-        self.odds.record(seq.draft_kind, k, num_accepted, seq.draft_counts)
         self.kv.trim(seq, seq.num_computed_tokens, self._reserve_tokens(seq))
-        seq.num_draft_tokens += k
-        seq.num_accepted_tokens += num_accepted
-        seq.num_verifications += 1
-        stats = self.stats
-        stats.num_draft_tokens_total += k
-        stats.num_accepted_tokens_total += num_accepted
-        stats.num_verifications_total += 1
-        if is_history_kind(seq.draft_kind):
-            stats.num_history_draft_tokens_total += k
-            stats.num_history_accepted_tokens_total += num_accepted
-        elif is_prediction_kind(seq.draft_kind):
-            stats.num_prediction_draft_tokens_total += k
-            stats.num_prediction_accepted_tokens_total += num_accepted
+        self.speculator.record(seq.speculation, chunk.num_draft_tokens, num_accepted, self.stats)
         for n, token in enumerate(tokens, 1):
-            seq.num_step_tokens = n
+            seq.speculation.num_step_tokens = n
             if (finish := seq.append_token(token)) is not None:
                 return finish
         return None
@@ -222,8 +192,7 @@ class BatchingPolicy(ABC):
     def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
         seq.set_status(status)
         seq.finished_time = now
-        if self.history is not None:
-            self.history.add(seq.output_token_ids)
+        self.speculator.finished(seq.output_token_ids)
 
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -250,7 +219,7 @@ class BatchingPolicy(ABC):
 
     def _add_verification(self, plan: StepPlan, seq: Sequence, drafts: Proposal) -> None:
         """A decode that also computes `drafts` after the sequence's last token (KV allocated)."""
-        seq.draft_token_ids, seq.draft_kind = drafts.tokens, drafts.kind
+        seq.speculation.draft_token_ids, seq.speculation.draft_kind = drafts.tokens, drafts.kind
         start, num_tokens = seq.num_computed_tokens, 1 + len(drafts)
         plan.chunks.append(ScheduledChunk(seq.seq_id, start, num_tokens, True, False, len(drafts)))
 
@@ -274,11 +243,3 @@ class BatchingPolicy(ABC):
         s.num_prefix_queries_total = self.kv.num_prefix_queries
         s.num_prefix_hits_total = self.kv.num_prefix_hits
         s.limit = plan.limit
-
-
-def _proposer_for(config: SpeculativeConfig, history: OutputHistory | None) -> Proposer | None:
-    if config.method == "ngram":
-        return NgramProposer(
-            config.prompt_lookup_max, config.prompt_lookup_min, history, config.prompt_lookup_resume
-        )
-    return None

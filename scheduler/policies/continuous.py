@@ -32,7 +32,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.plan import StepLimit, StepPlan
 from scheduler.policies.base import BatchingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculation import Proposal, break_even
+from scheduler.speculation import Proposal, Speculator
 
 logger = logging.getLogger("jitney.scheduler")
 
@@ -41,8 +41,10 @@ class ContinuousBatching(BatchingPolicy):
     name = "continuous"
     runs_to_completion = False  # admits and preempts at every step
 
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager):
-        super().__init__(config, kv)
+    def __init__(
+        self, config: SchedulerConfig, kv: KVBlockManager, speculator: Speculator | None = None
+    ):
+        super().__init__(config, kv, speculator)
         # The least urgent priority ever queued: a waiting head at least this high has nobody
         # to preempt, which spares a full batch with one priority a scan of `running` per step.
         self._least_urgent = float("-inf")
@@ -73,7 +75,7 @@ class ContinuousBatching(BatchingPolicy):
                 continue
             if (
                 num_new == 1
-                and self.proposer is not None  # (checked first: a decode's hot path)
+                and self.speculator.proposer is not None  # (checked first: a decode's hot path)
                 and (drafts := self._drafts(seq, budget, plan, i))
             ):
                 self._add_verification(plan, seq, drafts)
@@ -104,8 +106,7 @@ class ContinuousBatching(BatchingPolicy):
         its proposal whose measured odds pay for their rows; None when it does not speculate.
         Speculation never preempts: without spare free blocks for the drafts the sequence
         decodes plainly."""
-        assert self.proposer is not None
-        spec = self.config.speculative
+        spec = self.speculator.config
         if not spec.batch_speculates(len(self.running)):
             return None
         # The step's rows so far, this token and one for each running sequence after it.
@@ -114,19 +115,16 @@ class ContinuousBatching(BatchingPolicy):
         room = min(spec.num_drafts(seq, rows), budget - 1)
         if room < 1:
             return None
-        proposal = self.proposer.propose(seq, room)
-        even = break_even(self.row_cost.cost, len(self.running))
-        worth = self.odds.worth(proposal.kind, len(proposal), even, seq.draft_counts)
-        if not worth:
+        drafts = self.speculator.drafts(seq, room, len(self.running))
+        if not drafts:
             return None
-        drafts = Proposal(proposal.tokens[:worth], proposal.kind)
         # Leave a free block for every running sequence, so that the drafts never make another
         # sequence's plain decode preempt.
         kv = self.kv
-        grow = kv.blocks_for(seq.num_tokens + worth) - len(kv.block_ids(seq.seq_id))
+        grow = kv.blocks_for(seq.num_tokens + len(drafts)) - len(kv.block_ids(seq.seq_id))
         if grow > 0 and kv.num_free_blocks - grow < len(self.running):
             return None
-        return drafts if kv.allocate_slots(seq, 1 + worth) else None
+        return drafts if kv.allocate_slots(seq, 1 + len(drafts)) else None
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting and len(self.running) >= self.config.max_num_seqs:
@@ -184,7 +182,7 @@ class ContinuousBatching(BatchingPolicy):
         refund = sum(c.num_tokens for c in plan.chunks if c.seq_id == seq.seq_id)
         plan.chunks = [c for c in plan.chunks if c.seq_id != seq.seq_id]
         self.kv.free(seq)
-        seq.draft_token_ids = []
+        seq.speculation.draft_token_ids = []
         seq.set_status(SequenceStatus.PREEMPTED)
         lost, seq.num_computed_tokens = seq.num_computed_tokens, 0
         seq.num_preemptions += 1

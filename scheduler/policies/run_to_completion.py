@@ -19,13 +19,16 @@ from scheduler.config import SchedulerConfig
 from scheduler.plan import StepLimit, StepPlan
 from scheduler.policies.base import BatchingPolicy
 from scheduler.sequence import Sequence
+from scheduler.speculation import Speculator
 
 
 class StaticBatching(BatchingPolicy):
     name = "static"
 
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager):
-        super().__init__(config, kv)
+    def __init__(
+        self, config: SchedulerConfig, kv: KVBlockManager, speculator: Speculator | None = None
+    ):
+        super().__init__(config, kv, speculator)
         self._done_in_batch: list[Sequence] = []
         self._flushing = False
 

@@ -54,8 +54,9 @@ class NgramProposer:
         """`follow`'s drafts for a sequence, its text looked up in its own NgramIndex (kept on
         the sequence, extended by the tokens each step added); the caller's prediction of the
         reply, where it has one and it gives drafts, first."""
-        if seq.prediction is not None and max_tokens >= 1:
-            predicted = seq.prediction.propose(seq.output_token_ids, max_tokens, self.lookups())
+        prediction = seq.speculation.prediction
+        if prediction is not None and max_tokens >= 1:
+            predicted = prediction.propose(seq.output_token_ids, max_tokens, self.lookups())
             if predicted.tokens:
                 return predicted
         own = self._indexed_match(seq, max_tokens)
@@ -84,13 +85,13 @@ class NgramProposer:
         if max_tokens < 1:
             return Proposal([])
         lookups = self.lookups()
-        index = seq.lookup_index
+        index = seq.speculation.lookup_index
         sizes = tuple(sorted({n for n, _ in lookups}))
         num_tokens = seq.num_tokens
         # A new index: the first proposal, other n-gram sizes, or (never seen: a sequence's
         # text only grows) a text shorter than the one indexed.
         if index is None or index.sizes != sizes or index.indexed_to >= num_tokens:
-            index = seq.lookup_index = NgramIndex(sizes)
+            index = seq.speculation.lookup_index = NgramIndex(sizes)
         first = index.first_needed()
         index.extend(seq.token_ids(first, num_tokens), first, num_tokens)
         # The text's last tokens: every tail looked up is in them.

@@ -37,7 +37,7 @@ Counts = dict[tuple[int, int], list[float]]
 @dataclass(slots=True)
 class DraftOdds:
     """The engine's odds, measured over every sequence; each sequence keeps its own counts too
-    (`Sequence.draft_counts`), which move its odds away from the engine's as they grow."""
+    (`SpeculationState.draft_counts`), which move its odds away from the engine's as they grow."""
 
     counts: Counts = field(default_factory=dict)
     # kind -> proposals cut to nothing since the last probe.

@@ -18,7 +18,7 @@ from scheduler.speculation.row_cost import break_even
 if TYPE_CHECKING:
     from scheduler.sequence import Sequence
 
-# "draft": a small model's greedy proposals; the engine installs its proposer (none here).
+# "draft": a small model's greedy proposals, from the engine's draft model (speculator.py).
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
@@ -89,7 +89,8 @@ class SpeculativeConfig:
         sampled after them). The continuous policy asks it per sequence while it plans; a model
         proposer before, of every running sequence at the fewest rows a step can have (one per
         sequence). Which of them pay is the odds' call (`break_even`)."""
-        if not seq.speculates or not seq.num_output_tokens or seq.num_uncomputed_tokens != 1:
+        decoding = seq.num_output_tokens and seq.num_uncomputed_tokens == 1
+        if not seq.speculation.enabled or not decoding:
             return 0
         room = min(
             self.num_speculative_tokens,
@@ -100,7 +101,7 @@ class SpeculativeConfig:
 
     def break_even(self, batch: int) -> float:
         """row_cost.break_even at the configured row cost (the policy's measured one moves
-        away from it: `BatchingPolicy.row_cost`)."""
+        away from it: `Speculator.row_cost`)."""
         return break_even(self.draft_row_cost, batch)
 
 

@@ -29,7 +29,9 @@ def chat(loaded: LoadedModel, text: str) -> list[int]:
 
 
 def make_engine(loaded: LoadedModel, **config: object) -> Engine:
-    return Engine(EngineConfig(model=loaded.name, **config), loaded=loaded)  # type: ignore[arg-type]
+    """An engine on `loaded`; `config`: EngineConfig's fields, the speculative ones flat
+    (`speculative="ngram"`: EngineConfig.from_flat)."""
+    return Engine(EngineConfig.from_flat(model=loaded.name, **config), loaded=loaded)
 
 
 def assert_teacher_forced(

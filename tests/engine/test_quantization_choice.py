@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.config import SPEC, EngineConfig
+from engine.config import EngineConfig
 from engine.kernels import BlockWeights, kernel_backend
 from engine.kernels.build import DRAFT_ROW_COST, INTEGER_ISAS, ISAS, ONE_PASS_TOKENS
 from engine.layers.quantized import COVERED_KINDS, QuantizedLinear, uncovered_kinds
@@ -22,6 +22,7 @@ from engine.models.llama import LlamaForward
 from engine.models.model_loader import LoadedModel, load_model
 from engine.models.weight_sources import GGUFWeights
 from engine.runner.model_runner import log_dense_fallbacks, resolve_forward, resolve_quantization
+from engine.speculative_options import SPEC, SpeculativeOptions
 from tests.engine.engine_helpers import make_engine
 from tests.engine.speculation_helpers import GREEDY, PROMPTS, both, run
 
@@ -169,7 +170,7 @@ def test_speculation_drafts_within_one_pass_of_the_kernels_in_use(smollm2, loade
     asked = make_engine(smollm2, kv_cache_memory="16MiB", speculative_max_step_tokens=12)
     assert asked.scheduler_config.speculative.max_step_tokens == 12
     with pytest.raises(ValueError, match="max_step_tokens"):
-        EngineConfig(speculative_max_step_tokens=1)
+        SpeculativeOptions(max_step_tokens=1)
 
 
 def test_a_draft_row_costs_what_the_kernels_in_use_measured(smollm2, loaded, isa) -> None:
@@ -183,7 +184,7 @@ def test_a_draft_row_costs_what_the_kernels_in_use_measured(smollm2, loaded, isa
     asked = make_engine(smollm2, kv_cache_memory="16MiB", speculative_draft_row_cost=0.0)
     assert asked.policy.config.speculative.draft_row_cost == 0.0
     with pytest.raises(ValueError, match="draft_row_cost"):
-        EngineConfig(speculative_draft_row_cost=-0.1)
+        SpeculativeOptions(draft_row_cost=-0.1)
 
 
 def test_every_kernel_level_has_its_one_pass_width_and_row_cost() -> None:

@@ -165,14 +165,14 @@ def test_the_engine_prices_a_draft_row_from_its_own_decode_steps(loaded: LoadedM
         if stats.num_batched_tokens == stats.batch_size + drafts <= most:
             expected[stats.num_batched_tokens] = expected.get(stats.num_batched_tokens, 0) + 1
             verified += drafts > 0
-    seen = {rows: steps for rows, (steps, _) in engine.policy.row_cost.means.items()}
+    seen = {rows: steps for rows, (steps, _) in engine.policy.speculator.row_cost.means.items()}
     assert seen == expected and verified  # steps with drafts among them
     assert 0.0 <= engine.view.draft_row_cost <= 1.0
     fixed = make_engine(
         loaded, kv_cache_memory="16MiB", speculative="ngram", speculative_draft_row_cost=0.3
     )
     run(fixed, [(p, GREEDY) for p in PROMPTS])
-    assert fixed.view.draft_row_cost == 0.3 and not fixed.policy.row_cost.means
+    assert fixed.view.draft_row_cost == 0.3 and not fixed.policy.speculator.row_cost.means
 
 
 def test_drafts_from_earlier_replies_keep_plain_decoding_s_tokens(loaded: LoadedModel):
@@ -197,7 +197,8 @@ def test_drafts_from_earlier_replies_keep_plain_decoding_s_tokens(loaded: Loaded
         kept = stats.num_history_accepted_tokens_total
         assert (kept > 0) == bool(history_tokens)
         assert kept <= stats.num_history_draft_tokens_total <= stats.num_draft_tokens_total
-        kinds = [kind for (kind, _), cell in engine.policy.odds.counts.items() if cell[0]]
+        counts = engine.policy.speculator.odds.counts
+        kinds = [kind for (kind, _), cell in counts.items() if cell[0]]
         assert any(kind < 0 for kind in kinds) == bool(history_tokens)
 
 

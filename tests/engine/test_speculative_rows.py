@@ -104,7 +104,7 @@ def test_drafts_stop_before_the_first_token_the_grammar_refuses(loaded: LoadedMo
     params = SamplingParams(max_tokens=8, temperature=0, grammar=grammar)
     engine.add_request("r", tokenizer.encode("xyzxyzxy"), params)
     seq = engine.policy.seqs["r"]
-    proposer = engine.policy.proposer
+    proposer = engine.policy.speculator.proposer
     assert proposer is not None
     inner = proposer.inner  # type: ignore[attr-defined]
     assert inner.propose(seq, 4).tokens == tokenizer.encode("zxy")

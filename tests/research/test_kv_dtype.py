@@ -34,7 +34,7 @@ def test_the_idle_pool_check_is_timed_apart_from_the_decode(loaded):
     tens of ms, which once counted as decode made 16-bit pools look slower on tiny-random); it
     happens inside the timed steps, and ms per token leaves it out."""
     engine = Engine(
-        EngineConfig(model="tiny-random", kv_cache_memory="1GiB", speculative="none"),
+        EngineConfig.from_flat(model="tiny-random", kv_cache_memory="1GiB", speculative="none"),
         loaded=loaded,
     )
     timed = kv_dtype.decode(engine, list(range(3, 43)), 16)

@@ -52,7 +52,7 @@ def _tiny():
 def test_engines_in_turn_give_what_each_gives_alone_each_timed_by_its_own_steps():
     config, loaded = _tiny()
     requests = trace_requests({"requests": REQUESTS})
-    configs = [replace(config, speculative=m) for m in ("none", "ngram")]
+    configs = [config.replace_flat(speculative=m) for m in ("none", "ngram")]
     runs = [TraceRun(c, loaded, requests) for c in configs]
     before = [run.elapsed for run in runs]  # adding the requests
     started = time.perf_counter()

@@ -78,10 +78,14 @@ def test_indexed_lookups_are_the_scans_for_any_text(prompt, growth, setting):
 def test_a_changed_setting_rebuilds_the_sequence_s_index():
     seq = Sequence.create("s", [1, 2, 3, 4, 1, 2, 3], max_tokens=10)
     assert NgramProposer(3, 2).propose(seq, 2).tokens == [4, 1]
-    index = seq.lookup_index
+    index = seq.speculation.lookup_index
     assert index is not None and index.sizes == (2, 3)
     assert NgramProposer(3, 1).propose(seq, 2).tokens == [4, 1]
-    assert seq.lookup_index is not index and seq.lookup_index.sizes == (1, 2, 3)
+    assert seq.speculation.lookup_index is not index and seq.speculation.lookup_index.sizes == (
+        1,
+        2,
+        3,
+    )
 
 
 def test_the_index_keeps_the_latest_start_and_the_one_before():

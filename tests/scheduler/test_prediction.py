@@ -76,7 +76,7 @@ def test_the_proposer_drafts_from_a_prediction_first_and_falls_back_to_prompt_lo
     seq = Sequence.create("s", [1, 2, 3, 4, 1, 2, 3], max_tokens=50)
     proposer = NgramProposer(4, 2)
     assert proposer.propose(seq, 3).tokens == [4, 1, 2]  # prompt lookup: no prediction
-    seq.prediction = Prediction((50, 51, 52, 53))
+    seq.speculation.prediction = Prediction((50, 51, 52, 53))
     seq.append_token(50)
     predicted = proposer.propose(seq, 3)
     assert predicted.tokens == [51, 52, 53] and is_prediction_kind(predicted.kind)

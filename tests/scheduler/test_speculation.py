@@ -86,7 +86,7 @@ def _policy(num_blocks: int = 32, k: int = 4, max_step_tokens: int = 16) -> Cont
 
 def _repeating(seq_id: str, max_tokens: int = 20, stop: tuple[int, ...] = ()) -> Sequence:
     seq = Sequence.create(seq_id, [1, 2, 3, 4, 5, 1, 2, 3], max_tokens, stop_token_ids=stop)
-    seq.speculates = True
+    seq.speculation.enabled = True
     return seq
 
 
@@ -105,21 +105,25 @@ def test_a_verification_keeps_the_accepted_drafts_and_gives_back_the_rejected_sl
     plan = policy.schedule(1)
     (chunk,) = plan.chunks
     assert (chunk.start, chunk.num_tokens, chunk.num_draft_tokens) == (8, 5, 4)
-    assert seq.draft_token_ids == [5, 1, 2, 3]
+    assert seq.speculation.draft_token_ids == [5, 1, 2, 3]
     assert policy.kv.blocks_for(13) == len(policy.kv.block_ids("a"))  # 8 + 1 + 4 slots
     # The model agreed with 5 and 1, then picked 9 where the draft said 2.
     policy.update(plan, {"a": 9}, accepted={"a": [5, 1]})
     policy.kv.check_integrity()
     assert seq.output_token_ids == [4, 5, 1, 9]
-    assert seq.num_step_tokens == 3  # what the live view shows
+    assert seq.speculation.num_step_tokens == 3  # what the live view shows
     assert seq.num_computed_tokens == 11  # the fed 4 and the accepted 5 1 hold K/V
-    assert seq.num_uncomputed_tokens == 1 and seq.draft_token_ids == []
+    assert seq.num_uncomputed_tokens == 1 and seq.speculation.draft_token_ids == []
     assert len(policy.kv.block_ids("a")) == policy.kv.blocks_for(11)  # 3 blocks, not 4
     stats = policy.stats
     assert (stats.num_draft_tokens_total, stats.num_accepted_tokens_total) == (4, 2)
     assert stats.num_verifications_total == 1
     # and the sequence's own totals (its final reply's usage)
-    assert (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verifications) == (4, 2, 1)
+    assert (
+        seq.speculation.num_draft_tokens,
+        seq.speculation.num_accepted_tokens,
+        seq.speculation.num_verifications,
+    ) == (4, 2, 1)
 
 
 def test_drafts_never_pass_max_tokens_and_an_accepted_stop_token_ends_the_sequence():
@@ -138,7 +142,7 @@ def test_drafts_never_pass_max_tokens_and_an_accepted_stop_token_ends_the_sequen
     policy.kv.check_integrity()
     assert short.output_token_ids == [4, 5, 7] and short.status is SequenceStatus.FINISHED_LENGTH
     assert stopping.output_token_ids == [4, 5, 1]  # 1 is a stop token: 2 and 7 are not kept
-    assert (short.num_step_tokens, stopping.num_step_tokens) == (2, 2)
+    assert (short.speculation.num_step_tokens, stopping.speculation.num_step_tokens) == (2, 2)
     assert stopping.status is SequenceStatus.FINISHED_STOPPED
     assert set(done) == {short, stopping}
     assert policy.kv.num_used_blocks == 0
@@ -164,7 +168,7 @@ def test_drafts_stay_within_the_step_rows_and_only_for_allowed_sequences():
 
     policy = _policy()
     plain = _repeating("plain")
-    plain.speculates = False
+    plain.speculation.enabled = False
     policy.add_request(plain)
     _prefill_and_first_token(policy, 4)
     assert policy.schedule(1).chunks[0].num_draft_tokens == 0
@@ -183,7 +187,7 @@ def test_drafts_take_no_block_that_a_running_sequence_needs_this_step():
     policy.update(plan, {c.seq_id: 5 for c in plan.chunks})
     policy.kv.check_integrity()
     assert policy.kv.num_free_blocks == 0
-    assert a.num_step_tokens == b.num_step_tokens == 1  # plain decodes
+    assert a.speculation.num_step_tokens == b.speculation.num_step_tokens == 1  # plain decodes
 
 
 def test_a_trimmed_allocation_is_a_new_block_list():
@@ -209,7 +213,7 @@ def test_num_drafts_is_what_one_decoding_sequence_may_verify_in_a_step():
     assert spec.num_drafts(seq, 1) == 2  # 1 output + 2 drafts + the sampled token = 4
     seq.limits = SamplingLimits(20)
     assert [spec.num_drafts(seq, rows) for rows in (1, 3, 5)] == [4, 2, 0]
-    seq.speculates = False
+    seq.speculation.enabled = False
     assert spec.num_drafts(seq, 1) == 0
 
 
@@ -229,7 +233,7 @@ def test_drafts_that_keep_failing_stop_being_verified_but_for_a_probe_now_and_th
         return seq.token_ids(seq.num_tokens - 1, seq.num_tokens)[0] % 5 + 1
 
     def refused() -> int:  # a token of the cycle, not the first draft
-        return seq.draft_token_ids[0] % 5 + 1
+        return seq.speculation.draft_token_ids[0] % 5 + 1
 
     policy.add_request(seq)
     _prefill_and_first_token(policy, 4)
@@ -239,11 +243,14 @@ def test_drafts_that_keep_failing_stop_being_verified_but_for_a_probe_now_and_th
         drafts.append(plan.chunks[0].num_draft_tokens)
         policy.update(plan, {"a": refused() if drafts[-1] else next_in_cycle()}, accepted={})
         policy.kv.check_integrity()
-    kind = seq.draft_kind
+    kind = seq.speculation.draft_kind
     assert kind == 1  # a one-token tail's proposals
     # A miss is counted only at the first draft: the later ones' odds are untouched.
     misses = sum(1 for k in drafts if k)
-    assert policy.odds.counts[(kind, 0)] == [0, misses] and (kind, 1) not in policy.odds.counts
+    assert (
+        policy.speculator.odds.counts[(kind, 0)] == [0, misses]
+        and (kind, 1) not in policy.speculator.odds.counts
+    )
     # Its own misses pull its odds below 0.25 after 4 (the engine's alone would take 12);
     # then one draft every PROBE_EVERY proposals.
     tried = [n for n, k in enumerate(drafts) if k]
@@ -256,8 +263,8 @@ def test_drafts_that_keep_failing_stop_being_verified_but_for_a_probe_now_and_th
     while (k := (plan := policy.schedule(1)).chunks[0].num_draft_tokens) < 2:
         if k:
             kept_probes += 1
-            after = seq.draft_token_ids[-1] % 5 + 1
-            policy.update(plan, {"a": after}, accepted={"a": seq.draft_token_ids})
+            after = seq.speculation.draft_token_ids[-1] % 5 + 1
+            policy.update(plan, {"a": after}, accepted={"a": seq.speculation.draft_token_ids})
         else:
             policy.update(plan, {"a": next_in_cycle()})
         policy.kv.check_integrity()

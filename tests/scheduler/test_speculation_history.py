@@ -98,13 +98,13 @@ def _policy(history_tokens: int) -> ContinuousBatching:
 
 def _run(policy: ContinuousBatching, seq: Sequence, reply: list[int]) -> list[int]:
     """`seq` to its end, the model answering `reply`: the drafts each step verified."""
-    seq.speculates = True
+    seq.speculation.enabled = True
     policy.add_request(seq)
     verified: list[int] = []
     while not seq.status.is_finished:
         plan = policy.schedule(0)
         (chunk,) = plan.chunks
-        drafts = list(seq.draft_token_ids) if chunk.num_draft_tokens else []
+        drafts = list(seq.speculation.draft_token_ids) if chunk.num_draft_tokens else []
         verified.append(len(drafts))
         at = seq.num_output_tokens
         kept = []
@@ -127,7 +127,9 @@ def test_a_finished_reply_feeds_the_drafts_of_the_next_request(history_tokens: i
     again = _run(policy, Sequence.create("second", [7, 8, 9, 100, 101, 102], 9), reply[3:])
     if history_tokens:  # its prompt ends in the first reply's "100 101 102": the rest is drafted
         assert again == [0, 4, 2]  # the prefill, then every draft the room allows, all kept
-        assert policy.odds.counts[(history_kind(4), 0)] == [2.0, 2.0]
-        assert policy.history is not None and policy.history.num_tokens == 12 + 9
+        assert policy.speculator.odds.counts[(history_kind(4), 0)] == [2.0, 2.0]
+        assert (
+            policy.speculator.history is not None and policy.speculator.history.num_tokens == 12 + 9
+        )
     else:
-        assert not any(again) and policy.history is None
+        assert not any(again) and policy.speculator.history is None

@@ -47,6 +47,7 @@ from engine.sampling_pipeline import StepResult, grammar_masks, sample_rows, sam
 from engine.speculative import GrammarChecked
 from engine.startup import plan_engine
 from engine.step_timing import PhaseClock, StepTiming, sync_device
+from engine.thread_governor import adapt as adapt_threads
 from generation.sampling_params import SamplingParams
 from scheduler import (
     BatchingPolicy,
@@ -277,6 +278,7 @@ class Engine:
 
     # ----- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        adapt_threads()  # an automatic thread count follows the CPUs others leave free
         clock = PhaseClock()
         if self.drafter is not None:  # the drafts the plan may verify, one batched pass each
             self.drafter.draft(self.policy.running, self.policy.speculator)

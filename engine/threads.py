@@ -269,7 +269,11 @@ def _beyond(count: int, cpus: set[int]) -> str:
 
 def apply_threads(choice: ThreadChoice) -> None:
     """Size torch's intra-op pool (the kernels' at::parallel_for, MKL and oneDNN) to the choice;
-    threads started later (the worker's engine loop) take the same number."""
+    threads started later (the worker's engine loop) take the same number. An automatic count
+    then follows the CPUs other processes leave free (engine/thread_governor.py)."""
     import torch
 
+    from engine.thread_governor import govern
+
     torch.set_num_threads(choice.count)
+    govern(choice, allowed_cpus())

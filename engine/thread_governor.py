@@ -5,7 +5,7 @@ A step splits each op across torch's intra-op threads, and every op ends at a ba
 another process keeps one of our CPUs busy, the thread scheduled beside it runs in time slices
 of a few milliseconds, and every barrier waits for its next slice: on 2 cores beside one
 spinning process a served decode step took 46x its quiet time, where giving up that core costs
-about half. So the engine asks, twice a second, how much of the allowed CPUs other work wants:
+about half. So the engine asks, four times a second, how much of the allowed CPUs other work wants:
 what it got, the CPUs' busy time (/proc/stat, steal included: a VM's host taking them counts)
 less this process's own (its threads, spinning ones included), plus what it took from us, the
 time our threads waited on a run queue (/proc/self/task/*/schedstat). A CPU counts as taken
@@ -30,7 +30,7 @@ from engine.threads import ThreadChoice
 
 logger = logging.getLogger("jitney.engine.threads")
 
-INTERVAL_S = 0.5  # how often the CPUs are read: a few steps, a few /proc reads a second
+INTERVAL_S = 0.25  # how often the CPUs are read: a short request sees a taken core within ~0.5 s
 TAKEN_AT = 0.75  # the share of a CPU others must keep busy for it to count as taken
 # /proc/stat's fields after the CPU's name: user nice system idle iowait irq softirq steal; the
 # busy ones (guest time is already in user).

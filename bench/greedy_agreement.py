@@ -33,7 +33,9 @@ PROMPTS = (
 )
 
 
-def compare(model: str, max_tokens: int) -> dict:
+def compare(model: str, max_tokens: int, **settings: object) -> dict:
+    """Both modes' greedy tokens on PROMPTS, and the verdict per prompt; `settings`: further
+    EngineConfig fields (the KV budget, say)."""
     loaded = load_model(model)
     tokenizer = loaded.tokenizer
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -41,7 +43,8 @@ def compare(model: str, max_tokens: int) -> dict:
     runs = {}
     for mode in ("auto", "none"):
         engine = Engine(
-            EngineConfig.from_flat(model=model, quantization=mode, speculative="none"), loaded
+            EngineConfig.from_flat(model=model, quantization=mode, speculative="none", **settings),
+            loaded,
         )
         runs[mode] = [r.token_ids for r in engine.generate(prompts, params)]
     rows = []

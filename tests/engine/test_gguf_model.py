@@ -326,3 +326,16 @@ def test_gemma3_s_layer_pattern_and_rope_bases_default_as_llama_cpp_s(tmp_path):
     assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
     assert config.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
     assert config.sliding_window == model.config.sliding_window
+
+
+def test_greedy_agreement_compares_the_file_s_blocks_with_the_exact_mode(llama_file, monkeypatch):
+    """bench.greedy_agreement on a written file: the default forward (its Q8_0/Q4_0 blocks) and
+    the exact mode decode every prompt, and each verdict says equal or within the near-tie rule."""
+    from bench.greedy_agreement import PROMPTS, compare
+
+    monkeypatch.setenv("JITNEY_CACHE_DIR", str(llama_file.parent / "cache"))
+    report = compare(str(llama_file), 6, kv_cache_memory="8MiB", max_model_len=128)
+    assert len(report["prompts"]) == len(PROMPTS)
+    assert report["passed"] == len(PROMPTS), report["prompts"]
+    for row in report["prompts"]:
+        assert row["equal"] == (row["first_diff"] is None)

@@ -93,7 +93,7 @@ def test_a_llama_gguf_loads_and_generates_from_the_file_alone(llama_file, tmp_pa
     """No transformers model is built and no converted checkpoint written: the config,
     tokenizer and template come from the metadata, the weights stay in their blocks."""
     cache = tmp_path / "cache"
-    engine = Engine(EngineConfig(model=str(llama_file), cache_dir=str(cache), **ENGINE))
+    engine = Engine(EngineConfig.from_flat(model=str(llama_file), cache_dir=str(cache), **ENGINE))
     loaded = engine.loaded
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
@@ -123,13 +123,13 @@ def test_greedy_tokens_are_the_converted_checkpoint_path_s(llama_file, tmp_path)
     """The same forward on the same blocks, built from the metadata's config or from the
     config transformers converted the file with (the path every GGUF took before)."""
     cache = tmp_path / "cache"
-    direct = Engine(EngineConfig(model=str(llama_file), cache_dir=str(cache), **ENGINE))
+    direct = Engine(EngineConfig.from_flat(model=str(llama_file), cache_dir=str(cache), **ENGINE))
     model_dir = converted_gguf(llama_file, tmp_path / "converted", print, None)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     converted = describe_loaded(
         model, AutoTokenizer.from_pretrained(model_dir), "converted", llama_file
     )
-    before = Engine(EngineConfig(model="converted", **ENGINE), loaded=converted)
+    before = Engine(EngineConfig.from_flat(model="converted", **ENGINE), loaded=converted)
     prompts = [[1, 40, 41, 42, 100, 200], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
     assert before.startup.forward_name == direct.startup.forward_name == "jitney-gguf"
@@ -143,7 +143,7 @@ def test_a_pooling_request_on_the_file_s_blocks(llama_file, tmp_path, built_mode
     """Embeddings come from the same forward: the hidden size is the metadata's, and the
     vector is the one the converted path's forward gives."""
     cache = tmp_path / "cache"
-    engine = Engine(EngineConfig(model=str(llama_file), cache_dir=str(cache), **ENGINE))
+    engine = Engine(EngineConfig.from_flat(model=str(llama_file), cache_dir=str(cache), **ENGINE))
     [vector] = engine.embed([[1, 40, 41, 42, 100, 200, 2]])
 
     assert engine.embedding_size == 64 and vector.shape == (64,)
@@ -158,7 +158,8 @@ def test_the_exact_mode_builds_the_dense_model_on_demand(llama_file, tmp_path):
     loaded = load_model(str(llama_file), cache_dir=cache, progress=messages.append)
     assert loaded.built_model is None and not any("convert" in m for m in messages)
 
-    engine = Engine(EngineConfig(model=loaded.name, quantization="none", **ENGINE), loaded=loaded)
+    exact = EngineConfig.from_flat(model=loaded.name, quantization="none", **ENGINE)
+    engine = Engine(exact, loaded=loaded)
     [result] = engine.generate([[1, 40, 41, 42]], GREEDY)
 
     assert engine.startup.forward_name == "jitney-none"
@@ -181,7 +182,7 @@ def test_an_architecture_no_jitney_forward_covers_runs_through_transformers(tmp_
     ids = torch.tensor([[1, 40, 41, 42]])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids).logits, model(ids).logits)
-    engine = Engine(EngineConfig(model=loaded.name, **ENGINE), loaded=loaded)
+    engine = Engine(EngineConfig.from_flat(model=loaded.name, **ENGINE), loaded=loaded)
 
     assert loaded.built_model is not None and engine.startup.forward_name == "transformers"
     assert len(engine.generate([[1, 40, 41, 42]], GREEDY)[0].token_ids) == GREEDY.max_tokens

@@ -66,7 +66,10 @@ ONE_PASS_TOKENS = {"avx2": 4, "avx2-int16": 6, "avx512": 8, "vnni": 8, "amx": 8}
 # rows (2.5x and 1.5x one row's linears for 8).
 DRAFT_ROW_COST = {"avx2": 0.25, "avx2-int16": 0.22, "avx512": 0.1, "vnni": 0.11, "amx": 0.11}
 # Included by the sources: part of the hash too.
-HEADERS = tuple(CSRC / h for h in ("blocks.h", "ops.h", "vec_avx2.h", "attention.h"))
+HEADERS = tuple(
+    CSRC / h
+    for h in ("blocks.h", "ops.h", "vec_avx2.h", "attention.h", "scales_avx2.h", "scales_avx512.h")
+)
 # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, it runs on one thread. The
 # library then shares torch's own libgomp (same soname, already loaded), so one thread pool.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")

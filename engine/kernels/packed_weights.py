@@ -15,7 +15,7 @@ a fused projection of one type) unpack to rows and repack.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -24,6 +24,8 @@ import torch
 
 from engine.kernels import block_types, ops
 from engine.kernels.block_types import BLOCK, GROUP, BlockType, RowFields
+
+PACK_ROWS = 4096  # rows decoded and packed at a time (a multiple of GROUP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +89,16 @@ class BlockWeights:
         return cls(kind, block_types.pack(f, bt), f.q.shape[0], batched_min_tokens)
 
     @classmethod
-    def from_gguf(cls, kind: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Self:
+    def from_gguf(
+        cls,
+        kind: str,
+        raw: np.ndarray | torch.Tensor,
+        shape: tuple[int, int],
+        done: Callable[[np.ndarray], None] | None = None,
+    ) -> Self:
         """`raw`: the tensor's rows as the file holds them, [N, bytes per row] uint8 (gguf's
-        `ReaderTensor.data`); `shape`: (N, K), out x in."""
+        `ReaderTensor.data`); `shape`: (N, K), out x in. `done(rows)` is told of each slice of
+        rows once packed (a memory-mapped file's pages can then be let go)."""
         bt = block_types.block_type(kind)
         n, k = shape
         if k % bt.file_elements != 0:
@@ -102,7 +111,21 @@ class BlockWeights:
             raise ValueError(
                 f"{kind} {shape} needs {need} bytes of blocks, got {tuple(data.shape)}"
             )
-        return cls.from_fields(kind, bt.decode(data.reshape(n, -1)))
+        rows = data.reshape(n, -1)
+        if n <= PACK_ROWS:
+            return cls.from_fields(kind, bt.decode(rows))
+        # A large table (a 262,144-row vocabulary) a slice of rows at a time: decoding and
+        # regrouping make a few copies of what they hold, which for the whole table would
+        # briefly take several times its bytes.
+        shape3 = (-(-n // GROUP), k // (BLOCK * bt.per_super), bt.super_bytes)
+        blocks = torch.empty(shape3, dtype=torch.uint8)
+        for start in range(0, n, PACK_ROWS):
+            chunk = rows[start : start + PACK_ROWS]
+            part = block_types.pack(bt.decode(chunk), bt)
+            blocks[start // GROUP : start // GROUP + part.shape[0]] = part
+            if done is not None:
+                done(chunk)
+        return cls(kind, blocks, n)
 
     @classmethod
     def quantize_q8_0(cls, weight: torch.Tensor) -> Self:

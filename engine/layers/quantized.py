@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.kernels import BlockWeights, linear_parts
 from engine.kernels.block_types import BLOCK_TYPES
+from engine.models.gguf_index import release_pages
 from engine.models.gguf_weights import GGUFTensor
 
 COVERED_KINDS = tuple(BLOCK_TYPES)
@@ -73,8 +74,10 @@ class QuantizedEmbedding(nn.Module):
 
 
 def packed(tensor: GGUFTensor) -> BlockWeights:
-    """A GGUF tensor of a covered type, packed (its rows in transformers' order)."""
-    return BlockWeights.from_gguf(tensor.kind, tensor.rows(), tensor.shape)  # type: ignore[arg-type]
+    """A GGUF tensor of a covered type, packed (its rows in transformers' order); a large
+    table's file pages let go slice by slice as they are packed."""
+    shape: tuple[int, int] = tensor.shape  # type: ignore[assignment]
+    return BlockWeights.from_gguf(tensor.kind, tensor.rows(), shape, release_pages)
 
 
 def quantized_linear(

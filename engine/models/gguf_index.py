@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import struct
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -192,3 +193,25 @@ class _Reader:
             self.offset += 8 + struct.unpack_from("<Q", self.buf, self.offset)[0]
         else:
             self.value(kind)
+
+
+def release_pages(array: np.ndarray) -> None:
+    """Drop the pages of a view into a file's memory map from this process (they stay in the
+    page cache; reading the view again faults them back in). A file's blocks are packed once:
+    without this, every page read while packing would stay in the process's resident memory
+    until the whole map is closed, the file's size on top of the packed weights."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    mm = getattr(root, "_mmap", None)
+    if mm is None or array.nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = array.ctypes.data - root.ctypes.data
+    first = start // page * page
+    end = start + array.nbytes
+    # Only whole pages the view covers: a neighbour's page may still be wanted.
+    first += page if first < start else 0
+    last = end // page * page
+    if last > first:
+        mm.madvise(mmap.MADV_DONTNEED, first, last - first)

@@ -30,7 +30,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from engine.models.gguf_index import GGUFIndex, read_gguf_index
+from engine.models.gguf_index import GGUFIndex, read_gguf_index, release_pages
 
 # ggml name within a block -> transformers name, by architecture (the Llama family's below)
 _LAYER_NAMES = {
@@ -96,6 +96,10 @@ class GGUFTensor:
     def rows(self) -> np.ndarray:
         """The raw rows in transformers' order."""
         return self.raw if self.row_order is None else self.raw[self.row_order]
+
+    def release(self) -> None:
+        """Its file pages out of this process, once its blocks are packed or dequantized."""
+        release_pages(self.raw)
 
     def dequantize(self) -> torch.Tensor:
         """float32, transformers' layout and order."""

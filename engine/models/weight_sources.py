@@ -135,20 +135,26 @@ class GGUFWeights:
             return QuantizedLinear([table.weights], None)
         parts = [self.tensors[f"{p}.weight"] for p in prefixes]
         biases = [self.optional_vector(f"{p}.bias") for p in prefixes]
-        if self.quantized:
-            if (layer := quantized_linear(parts, biases)) is not None:
-                return layer
-            self._note_dense(parts)
-        return DenseLinear.fuse([self._dense(t) for t in parts], biases)
+        layer = quantized_linear(parts, biases) if self.quantized else None
+        if layer is None:
+            if self.quantized:
+                self._note_dense(parts)
+            layer = DenseLinear.fuse([self._dense(t) for t in parts], biases)
+        for t in parts:
+            t.release()
+        return layer
 
     def embedding(self, prefix: str) -> nn.Module:
         table = self.tensors[f"{prefix}.weight"]
-        if self.quantized:
-            if (layer := quantized_embedding(table)) is not None:
-                self._tables[prefix] = layer
-                return layer
-            self._note_dense([table])
-        return DenseEmbedding(self._dense(table))
+        layer = quantized_embedding(table) if self.quantized else None
+        if layer is not None:
+            self._tables[prefix] = layer
+        else:
+            if self.quantized:
+                self._note_dense([table])
+            layer = DenseEmbedding(self._dense(table))
+        table.release()
+        return layer
 
     def _note_dense(self, tensors: Sequence[GGUFTensor]) -> None:
         for t in tensors:

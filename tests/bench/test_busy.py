@@ -73,8 +73,11 @@ def test_service_cases_through_jitney_up(tmp_path):
 def test_bad_flags_are_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match="--spinner-cpu 4096 is not among the CPUs"):
         main(["bench", "busy", *TINY, "--spinner-cpu", "4096"])
+    one_user = [*TINY, "--workloads", "one-user"]  # no mixed trace wanted
     with pytest.raises(SystemExit, match="no llama-batched-bench, llama-server in"):
-        main(["bench", "busy", *TINY, "--llama-bin-dir", str(tmp_path)])
+        main(["bench", "busy", *one_user, "--llama-bin-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no mixed trace at .*missing.json"):
+        main(["bench", "busy", *TINY, "--mixed-trace", str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit):  # argparse: an unknown workload
         main(["bench", "busy", *TINY, "--workloads", "one-user,chat"])
 

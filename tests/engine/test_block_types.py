@@ -31,39 +31,12 @@ from tests.engine.test_quant_kernels import (
     INT8_ACTIVATIONS,
     assert_linear_matches,
     int8_activations,
-    kernel_level,
+    random_file_blocks,
 )
 
 KINDS = tuple(BLOCK_TYPES)
 ISAS = kernel_backend().available_isas()
-# Byte offsets of each type's f16 fields within its file block (d; then m or dmin).
-F16_FIELDS = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 TOKENS = (1, 2, 7, 8, 13)
-
-
-def random_file_blocks(kind: str, n: int, k: int, seed: int = 0, size: float = 0.02) -> np.ndarray:
-    """[n, bytes per row] of random blocks as a GGUF file holds them: random levels and integer
-    scales, f16 scales in (0, size / levels) (minimums negative), so weights are about `size`."""
-    bt = block_type(kind)
-    rng = np.random.default_rng(seed)
-    nb = k // bt.file_elements
-    raw = rng.integers(0, 256, (n, nb, bt.file_bytes), dtype=np.uint8)
-    levels = 127 if kind == "Q8_0" else 2 ** (4 + bt.hi_planes)
-    per_int = 64 if bt.scale != "f16" else 1  # a K-quant's d multiplies an integer scale
-    for i, offset in enumerate(F16_FIELDS[kind]):
-        value = rng.random((n, nb)) * size / levels / per_int + 1e-6
-        value = (-value if i == 1 and bt.scale == "f16" else value).astype(np.float16)
-        raw[..., offset : offset + 2] = value.view(np.uint8).reshape(n, nb, 2)
-    return raw.reshape(n, -1)
 
 
 def gguf_dense(raw: np.ndarray, kind: str) -> torch.Tensor:
@@ -131,32 +104,6 @@ def test_every_type_multiplies_as_stored_at_every_instruction_set(kind, isa) -> 
                 want = reference.quant_linear_int8_activations(x, w.blocks, kind, w.rows)
                 scale = x.double().abs() @ dense.double().abs().T
                 assert ((y.double() - want).abs() / scale).max().item() <= EXACT, (kind, isa, t)
-
-
-@pytest.mark.skipif("vnni" not in ISAS, reason="needs a CPU with AVX-512 VNNI")
-def test_avx2_integer_one_pass_is_the_vnni_kernels_bit_for_bit_for_every_type() -> None:
-    """The offset taken off the levels in AVX2's registers and off VNNI's integer sums give the
-    same exact integers; the same epilogue then gives the same floats."""
-    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(4)) * 3
-    for kind in KINDS:
-        w, _ = packed(kind, 40, 512, seed=5)
-        products = {}
-        for level in ("avx2-int16", "vnni"):
-            with kernel_level(level):
-                products[level] = [w.linear(x[:n]) for n in (1, 2, 6, 13)]
-        for a, b in zip(products["avx2-int16"], products["vnni"], strict=True):
-            assert torch.equal(a, b), kind
-
-
-@pytest.mark.parametrize("level", [i for i in ISAS if int8_activations(i, "one-pass")])
-def test_a_tokens_product_is_the_same_in_any_batch_for_every_type(level) -> None:
-    with kernel_level(level):
-        for kind in KINDS:
-            w, _ = packed(kind, 33, 256, seed=6)
-            x = torch.randn(13, 256)
-            alone = torch.cat([w.linear(x[i : i + 1]) for i in range(13)])
-            for n in (13, 8, 5, 2):
-                assert torch.equal(w.linear(x[:n]), alone[:n]), (kind, n)
 
 
 def test_a_fused_projection_keeps_each_part_in_its_own_type(isa) -> None:
@@ -282,3 +229,43 @@ def test_a_file_of_every_type_runs_in_its_blocks_and_decodes_in_one_call(tmp_pat
         spread = (want.max() - want.min()).item()
         assert (got - want).abs().max().item() < 0.02 * spread
     assert one_call == 5
+
+
+def test_a_large_table_packs_slice_by_slice_as_a_whole(monkeypatch) -> None:
+    """Past PACK_ROWS rows a table is decoded and packed a slice at a time (its temporaries
+    stay small): the same bytes as packing it whole, and each slice reported once packed."""
+    from engine.kernels import packed_weights
+    from engine.kernels.block_types import block_type
+
+    raw = random_file_blocks("Q6_K", 77, 512, seed=9)
+    whole = BlockWeights.from_fields("Q6_K", block_type("Q6_K").decode(raw))
+    monkeypatch.setattr(packed_weights, "PACK_ROWS", 32)
+    seen: list[int] = []
+    sliced = BlockWeights.from_gguf("Q6_K", raw, (77, 512), lambda rows: seen.append(len(rows)))
+    assert torch.equal(sliced.blocks, whole.blocks) and sliced.rows == 77
+    assert seen == [32, 32, 13]
+
+
+def test_a_packed_tensors_file_pages_leave_the_process(tmp_path) -> None:
+    """release_pages drops a memory-mapped view's whole pages from this process's resident
+    memory; the view still reads the file's bytes after."""
+    from engine.models.gguf_index import release_pages
+
+    path = tmp_path / "pages.bin"
+    data = np.random.default_rng(0).integers(0, 256, 64 * 4096, dtype=np.uint8)
+    data.tofile(path)
+    mapped = np.memmap(path, mode="r")
+    view = mapped[4096 + 100 : 60 * 4096]
+
+    def resident_kb() -> int:
+        smaps = Path("/proc/self/smaps").read_text().split("\n")
+        for i, line in enumerate(smaps):
+            if line.endswith(str(path)):
+                return int(next(s for s in smaps[i:] if s.startswith("Rss:")).split()[1])
+        return 0
+
+    assert int(view.sum()) == int(data[4096 + 100 : 60 * 4096].sum())  # every page read
+    before = resident_kb()
+    release_pages(view)
+    assert before >= 58 * 4 and resident_kb() <= before - 57 * 4  # 58 whole pages let go
+    assert np.array_equal(view, data[4096 + 100 : 60 * 4096])

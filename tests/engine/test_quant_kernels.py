@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.kernels import BlockWeights, build, kernel_backend, reference
-from engine.kernels.block_types import block_type, unpack
+from engine.kernels.block_types import BLOCK_TYPES, block_type, unpack
 from engine.kernels.build import INTEGER_ISAS, unavailable_reason
 from engine.models.gguf_index import GGUFIndex, read_gguf_index
 
@@ -76,6 +76,35 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         return np.concatenate([d, m, qs], axis=-1).reshape(n, -1)
     qs = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
     return np.concatenate([d, qs], axis=-1).reshape(n, -1)
+
+
+# Byte offsets of each type's f16 fields within its file block (d; then m or dmin).
+F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_file_blocks(kind: str, n: int, k: int, seed: int = 0, size: float = 0.02) -> np.ndarray:
+    """[n, bytes per row] of random blocks as a GGUF file holds them: random levels and integer
+    scales, f16 scales in (0, size / levels) (minimums negative), so weights are about `size`."""
+    bt = block_type(kind)
+    rng = np.random.default_rng(seed)
+    nb = k // bt.file_elements
+    raw = rng.integers(0, 256, (n, nb, bt.file_bytes), dtype=np.uint8)
+    levels = 127 if kind == "Q8_0" else 2 ** (4 + bt.hi_planes)
+    per_int = 64 if bt.scale != "f16" else 1  # a K-quant's d multiplies an integer scale
+    for i, offset in enumerate(F16_FIELDS[kind]):
+        value = rng.random((n, nb)) * size / levels / per_int + 1e-6
+        value = (-value if i == 1 and bt.scale == "f16" else value).astype(np.float16)
+        raw[..., offset : offset + 2] = value.view(np.uint8).reshape(n, nb, 2)
+    return raw.reshape(n, -1)
 
 
 def pack(blocks: np.ndarray, qtype: GGMLQuantizationType) -> BlockWeights:
@@ -229,10 +258,10 @@ def test_int8_activations_give_a_token_the_same_product_in_any_batch(level, digi
     each token in one order in every tile size, so it holds there too; AVX-512's float one pass
     only rounds alike."""
     with kernel_level(level):
-        for kind in ("Q4_1", "Q8_0"):
-            w = pack(random_blocks(kind, 77, 576), GGMLQuantizationType[kind])
+        for kind in BLOCK_TYPES:
+            w = BlockWeights.from_gguf(kind, random_file_blocks(kind, 77, 768, seed=6), (77, 768))
             w = dataclasses.replace(w, batched_min_tokens=PATHS["one-pass"])
-            x = torch.randn(13, 576)
+            x = torch.randn(13, 768)
             alone = torch.cat([w.linear(x[i : i + 1]) for i in range(13)])
             for n in (13, 8, 5, 2):  # tiles of 8 and 5, and of 2 (two sums a block); AVX2: 6
                 assert torch.equal(w.linear(x[:n]), alone[:n]), (kind, n)
@@ -244,8 +273,8 @@ def test_avx2_integer_one_pass_gives_the_vnni_kernels_results_bit_for_bit(digits
     keeps its epilogue, so a model computes the same on either CPU (and AVX2 CPUs take the
     arithmetic VNNI's perplexity was measured with)."""
     x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(2)) * 3
-    for kind in ("Q4_1", "Q8_0"):
-        w = pack(random_blocks(kind, 77, 1536), GGMLQuantizationType[kind])
+    for kind in BLOCK_TYPES:
+        w = BlockWeights.from_gguf(kind, random_file_blocks(kind, 77, 1536), (77, 1536))
         w = dataclasses.replace(w, batched_min_tokens=PATHS["one-pass"])
         products = {}
         for level in ("avx2-int16", "vnni"):

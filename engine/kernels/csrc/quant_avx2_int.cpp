@@ -31,14 +31,11 @@
 #include <cstdint>
 
 #include "blocks.h"
+#include "scales_avx2.h"
 #include "vec_avx2.h"
 
 namespace jitney_kernels {
 namespace {
-
-inline __m256 load_f16x8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // vpshufb indices picking, for int16 lane L of register h (row 8h + L/2), the byte of a bit
 // plane's quad word that holds the row's bits (byte 4h + L/4; the high byte of each lane 0), and
@@ -92,34 +89,6 @@ inline void pair_i16(const uint8_t* rec, int p, __m256i& lo, __m256i& hi) {
     const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16));
     lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(even, odd));
     hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(even, odd));
-  }
-}
-
-// Sub-block s's scale for rows 8h..8h+7 (dsup: its super-block's d, K-quants).
-template <Kind kKind>
-inline __m256 scale8(const uint8_t* rec, int s, int h, __m256 dsup) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.scales_offset() + s * T.scale_bytes();
-  if constexpr (T.scale == ScaleForm::kF16) {
-    return load_f16x8(p + 16 * h);
-  } else {
-    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
-    const __m256i i = T.scale == ScaleForm::kU8 ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v);
-    return _mm256_mul_ps(dsup, _mm256_cvtepi32_ps(i));
-  }
-}
-
-// acc + minimum * s for rows 8h..8h+7 (msup: the super-block's dmin; K-quants' minimum is
-// -(dmin * m), so fnmadd).
-template <Kind kKind>
-inline __m256 add_minimum8(const uint8_t* rec, int h, __m256 msup, __m256 s, __m256 acc) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.mins_offset();
-  if constexpr (T.min == MinForm::kF16) {
-    return _mm256_fmadd_ps(load_f16x8(p + 16 * h), s, acc);
-  } else {
-    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
-    return _mm256_fnmadd_ps(_mm256_mul_ps(msup, _mm256_cvtepi32_ps(m)), s, acc);
   }
 }
 
@@ -187,8 +156,8 @@ void gemv_group_int(const PackedMatrix& w, int64_t g, const int16_t* x, const fl
         for (int h = 0; h < 2; ++h) {
           for (int t = 0; t < TT; ++t) {
             const int64_t tb = (t0 + t) * NB + b;
-            const __m256 a = add_minimum8<kKind>(rec, h, msup[h], _mm256_set1_ps(sx[tb]),
-                                                 _mm256_load_ps(acc[t] + 8 * h));
+            const __m256 a = _mm256_fmadd_ps(minimum8<kKind>(rec, h, msup[h]),
+                                             _mm256_set1_ps(sx[tb]), _mm256_load_ps(acc[t] + 8 * h));
             _mm256_store_ps(acc[t] + 8 * h, a);
           }
         }

@@ -31,20 +31,10 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma,bmi2,amx-tile,amx-bf16")
 #include <immintrin.h>
 
+#include "scales_avx512.h"
+
 namespace jitney_kernels {
 namespace {
-
-inline __m512 load_f16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline __m512i load_u8x16(const uint8_t* p) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline __m512i load_i8x16(const uint8_t* p) {
-  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // Element pair p of a record as two float vectors (element 2p and 2p+1, the 16 rows across),
 // the signed quants u - offset (not yet scaled). A bit plane adds its bit where the pair's
@@ -74,31 +64,6 @@ inline void pair_quants(const uint8_t* rec, int p, __m512& even, __m512& odd) {
   } else {
     even = _mm512_cvtepi32_ps(load_i8x16(rec + 32 * p));
     odd = _mm512_cvtepi32_ps(load_i8x16(rec + 32 * p + 16));
-  }
-}
-
-// Sub-block s's scale for the record's 16 rows (dsup: its super-block's d, K-quants).
-template <Kind kKind>
-inline __m512 scale_vec(const uint8_t* rec, int s, __m512 dsup) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.scales_offset() + s * T.scale_bytes();
-  if constexpr (T.scale == ScaleForm::kF16) {
-    return load_f16(p);
-  } else {
-    const __m512i i = T.scale == ScaleForm::kU8 ? load_u8x16(p) : load_i8x16(p);
-    return _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(i));
-  }
-}
-
-// acc + minimum * s (msup: the super-block's dmin; K-quants' minimum is -(dmin * m)).
-template <Kind kKind>
-inline __m512 add_minimum(const uint8_t* rec, __m512 msup, __m512 s, __m512 acc) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.mins_offset();
-  if constexpr (T.min == MinForm::kF16) {
-    return _mm512_fmadd_ps(load_f16(p), s, acc);
-  } else {
-    return _mm512_fnmadd_ps(_mm512_mul_ps(msup, _mm512_cvtepi32_ps(load_u8x16(p))), s, acc);
   }
 }
 

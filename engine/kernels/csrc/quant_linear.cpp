@@ -38,6 +38,7 @@
 
 #include "blocks.h"
 #include "ops.h"
+#include "scales_avx2.h"
 #include "vec_avx2.h"
 
 namespace jitney_kernels {
@@ -55,10 +56,6 @@ int64_t auto_crossover(int isa, Kind kind) {
   if (isa >= kAmx) return amx_covers(kind) ? 9 : std::numeric_limits<int64_t>::max();
   if (isa >= kAvx2Int16) return std::numeric_limits<int64_t>::max();
   return kind == Kind::kQ8_0 ? 128 : 64;
-}
-
-inline __m256 load_f16x8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // Element pair p of a record, rows 8h..8h+7 (h = 0, 1), as float vectors of signed quants
@@ -96,45 +93,6 @@ inline void pair_quants8(const uint8_t* rec, int p, int h, __m256& even, __m256&
     const auto* o = reinterpret_cast<const __m128i*>(rec + 32 * p + 16 + 8 * h);
     even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(e)));
     odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(o)));
-  }
-}
-
-// Sub-block s's scale for rows 8h..8h+7 (dsup: the super-block's d for those rows, K-quants).
-template <Kind kKind>
-inline __m256 scale8(const uint8_t* rec, int s, int h, __m256 dsup) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.scales_offset() + s * T.scale_bytes();
-  if constexpr (T.scale == ScaleForm::kF16) {
-    return load_f16x8(p + 16 * h);
-  } else {
-    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
-    const __m256i i = T.scale == ScaleForm::kU8 ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v);
-    return _mm256_mul_ps(dsup, _mm256_cvtepi32_ps(i));
-  }
-}
-
-// The minimum of rows 8h..8h+7, as a value to add (K-quants: -(dmin * m), exact).
-template <Kind kKind>
-inline __m256 minimum8(const uint8_t* rec, int h, __m256 msup) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.mins_offset();
-  if constexpr (T.min == MinForm::kF16) {
-    return load_f16x8(p + 16 * h);
-  } else if constexpr (T.min == MinForm::kU8) {
-    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
-    return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(msup, _mm256_cvtepi32_ps(m)));
-  } else {
-    return _mm256_setzero_ps();
-  }
-}
-
-// The super-block header's d (or dmin, which = 1) of rows 8h..8h+7; zeros for types without.
-template <Kind kKind>
-inline __m256 header8(const uint8_t* header, int which, int h) {
-  if constexpr (traits(kKind).per_super() > 1) {
-    return load_f16x8(header + 32 * which + 16 * h);
-  } else {
-    return _mm256_setzero_ps();
   }
 }
 

@@ -68,13 +68,10 @@ constexpr Indices kIndices;
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma,bmi2")
 #include <immintrin.h>
 
+#include "scales_avx512.h"
+
 namespace jitney_kernels {
 namespace {
-
-inline __m512 load_f16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 
 // Per 64-bit pair of lanes, the bit offsets of the four nibbles of each lane's two bytes:
 // lane bytes (b0, b1) -> (b0 & 15, b0 >> 4, b1 & 15, b1 >> 4) once masked with 0x0F.
@@ -103,34 +100,6 @@ inline __m512i quads(const uint8_t* rec, int j) {
     const __m512i v = _mm512_loadu_si512(rec + 64 * j);
     const __m512i w = _mm512_permutexvar_epi8(_mm512_load_si512(kIndices.q8), v);
     return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // int8 -> w + 128
-  }
-}
-
-// Sub-block s's scale for the record's 16 rows (dsup: its super-block's d, K-quants).
-template <Kind kKind>
-inline __m512 scale_vec(const uint8_t* rec, int s, __m512 dsup) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.scales_offset() + s * T.scale_bytes();
-  if constexpr (T.scale == ScaleForm::kF16) {
-    return load_f16(p);
-  } else {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m512i i = T.scale == ScaleForm::kU8 ? _mm512_cvtepu8_epi32(v) : _mm512_cvtepi8_epi32(v);
-    return _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(i));
-  }
-}
-
-// acc + minimum * s for the record's 16 rows (msup: its super-block's dmin, K-quants, whose
-// minimum is -(dmin * m): fnmadd rounds acc - dmin m s as fmadd rounds acc + (-dmin m) s).
-template <Kind kKind>
-inline __m512 add_minimum(const uint8_t* rec, __m512 msup, __m512 s, __m512 acc) {
-  constexpr BlockTraits T = traits(kKind);
-  const uint8_t* p = rec + T.mins_offset();
-  if constexpr (T.min == MinForm::kF16) {
-    return _mm512_fmadd_ps(load_f16(p), s, acc);
-  } else {
-    const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_fnmadd_ps(_mm512_mul_ps(msup, _mm512_cvtepi32_ps(m)), s, acc);
   }
 }
 

@@ -76,7 +76,7 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
     one_user = [*TINY, "--workloads", "one-user"]  # no mixed trace wanted
     with pytest.raises(SystemExit, match="no llama-batched-bench, llama-server in"):
         main(["bench", "busy", *one_user, "--llama-bin-dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no mixed trace at .*missing.json"):
+    with pytest.raises(SystemExit, match=r"no mixed trace at .*missing\.json"):
         main(["bench", "busy", *TINY, "--mixed-trace", str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit):  # argparse: an unknown workload
         main(["bench", "busy", *TINY, "--workloads", "one-user,chat"])

@@ -6,22 +6,19 @@ no transformers model is built unless asked for. Other GGUF files are dequantize
 directory and read from there afterwards.
 """
 
+from __future__ import annotations
+
 import importlib.util
 import json
 import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-)
+from transformers import PreTrainedTokenizerFast
 
 from engine.chat_template import ensure_chat_template
 from engine.models.gguf_config import UndescribedGGUFError
@@ -37,6 +34,9 @@ from engine.models.loaded_model import DenseModel, LoadedModel, describe_loaded,
 from engine.models.noop_model import NOOP, build_noop_model
 from engine.models.random_models import DEFAULT_SEED, RANDOM_PREFIX, build_random_model
 from engine.models.tiny_model import build_tiny_model, build_tiny_tokenizer
+
+if TYPE_CHECKING:  # transformers' modeling modules take seconds: imported where a model is built
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger("jitney.engine.model")
 
@@ -191,6 +191,8 @@ def _load_hf_dir(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     say(f"loading weights from {path}")
     # No attn_implementation: the default (sdpa) stays replaceable via set_attn_implementation.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, device_map=device, local_files_only=True
     )

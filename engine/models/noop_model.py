@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LlamaConfig
+from transformers import LlamaConfig
 
 from engine.models.tiny_model import SPECIAL_TOKENS, build_tiny_tokenizer
 from protocol import NOOP_MODEL
@@ -41,6 +41,7 @@ class NoopModel(torch.nn.Module):
             num_hidden_layers=1,
             max_position_embeddings=NOOP_CONTEXT,
         )
+        from transformers import GenerationConfig  # seconds to import: only once built
         self.generation_config = GenerationConfig(eos_token_id=eos_token_id)
         # One weight, so the engine can read the vocabulary size, device and dtype as usual.
         self.embed = torch.nn.Embedding(vocab_size, 1)

@@ -15,28 +15,24 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    Gemma3ForCausalLM,
     Gemma3TextConfig,
-    GenerationConfig,
     LlamaConfig,
-    LlamaForCausalLM,
     Phi3Config,
-    Phi3ForCausalLM,
     PretrainedConfig,
-    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen3Config,
-    Qwen3ForCausalLM,
     SmolLM3Config,
-    SmolLM3ForCausalLM,
 )
 
 from engine.models.families import family_switches
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 from engine.models.tiny_model import (
     CHATML_TEMPLATE,
     TINY_SEED,
@@ -70,7 +66,9 @@ class SpecialTokens:
 @dataclass(frozen=True, slots=True)
 class RandomModelSpec:
     config_class: type[PretrainedConfig]
-    model_class: type[PreTrainedModel]
+    # transformers' model class, by name: importing the modeling modules costs seconds, which
+    # a process serving a GGUF file never needs (`_model_class` resolves it when one is built)
+    model_class_name: str
     published: Mapping[str, Any]  # the real checkpoint's config.json architecture values
     tokens: SpecialTokens
     num_params: float  # the published size, which count_parameters of the config reproduces
@@ -156,7 +154,7 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
 RANDOM_MODELS: dict[str, RandomModelSpec] = {
     "llama-3.2-1b": RandomModelSpec(
         LlamaConfig,
-        LlamaForCausalLM,
+        "LlamaForCausalLM",
         {
             **_LLAMA3_COMMON,
             "hidden_size": 2048,
@@ -171,7 +169,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     ),
     "llama-3.1-8b": RandomModelSpec(
         LlamaConfig,
-        LlamaForCausalLM,
+        "LlamaForCausalLM",
         {
             **_LLAMA3_COMMON,
             "hidden_size": 4096,
@@ -186,7 +184,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     ),
     "qwen3-8b": RandomModelSpec(
         Qwen3Config,
-        Qwen3ForCausalLM,
+        "Qwen3ForCausalLM",
         {
             "vocab_size": 151936,
             "hidden_size": 4096,
@@ -213,7 +211,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     # follows from the config's pattern, so a shrunk model keeps it.
     "gemma3-270m": RandomModelSpec(
         Gemma3TextConfig,
-        Gemma3ForCausalLM,
+        "Gemma3ForCausalLM",
         {
             "vocab_size": 262144,
             "hidden_size": 640,
@@ -243,7 +241,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     # Q/K/V and gate/up stored fused; 96 of each head's 128 dimensions rotated, by LongRoPE.
     "phi-4-mini": RandomModelSpec(
         Phi3Config,
-        Phi3ForCausalLM,
+        "Phi3ForCausalLM",
         {
             "vocab_size": 200064,
             "hidden_size": 3072,
@@ -272,7 +270,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     # Every fourth layer without RoPE (no_rope_layers follows from the interval).
     "smollm3-3b": RandomModelSpec(
         SmolLM3Config,
-        SmolLM3ForCausalLM,
+        "SmolLM3ForCausalLM",
         {
             "vocab_size": 128256,
             "hidden_size": 2048,
@@ -376,6 +374,7 @@ def init_random_model(
     _fill_parameters(model, device, seed)
     _rebuild_rotary_embeddings(model, device)
     _restore_embedding_scale(model)
+    from transformers import GenerationConfig  # seconds to import: only once built
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -412,9 +411,11 @@ def _spec(name: str) -> RandomModelSpec:
 
 
 def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    import transformers
+
     for spec in RANDOM_MODELS.values():
         if isinstance(config, spec.config_class):
-            return spec.model_class
+            return getattr(transformers, spec.model_class_name)
     raise ValueError(f"no random-model family for {type(config).__name__}")
 
 

@@ -4,11 +4,18 @@ Tests and CPU demos use it so that nothing is downloaded and every run sees the 
 shaped like a real chat model: ChatML template, two end-of-turn tokens, grouped-query attention.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from engine.chat_template import CHATML_TEMPLATE
+
+if TYPE_CHECKING:  # the modeling modules take seconds to import: only where a model is built
+    from transformers import LlamaForCausalLM
 
 TINY_SEED = 0
 
@@ -67,7 +74,10 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     # fork_rng: seed for our own init without disturbing the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
+        from transformers import LlamaForCausalLM
+
         model = LlamaForCausalLM(config)
+    from transformers import GenerationConfig  # seconds to import: only once built
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=end_ids,

@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
 
 from engine.attention.step_inputs import AttentionMetadata
 from engine.device_copy import device_tensor
@@ -101,8 +100,11 @@ def resolve_forward(
 def jitney_unsupported_because(loaded: LoadedModel) -> str | None:
     """Why Jitney's forward cannot run `loaded` (None: it can), from its description."""
     built = loaded.built_model
-    if built is not None and not isinstance(built, PreTrainedModel):
-        return "not a transformers model (noop)"
+    if built is not None:
+        from transformers import PreTrainedModel  # seconds to import: only once a model is built
+
+        if not isinstance(built, PreTrainedModel):
+            return "not a transformers model (noop)"
     return unsupported_because(loaded.config)
 
 

@@ -42,6 +42,7 @@ class NoopModel(torch.nn.Module):
             max_position_embeddings=NOOP_CONTEXT,
         )
         from transformers import GenerationConfig  # seconds to import: only once built
+
         self.generation_config = GenerationConfig(eos_token_id=eos_token_id)
         # One weight, so the engine can read the vocabulary size, device and dtype as usual.
         self.embed = torch.nn.Embedding(vocab_size, 1)

@@ -375,6 +375,7 @@ def init_random_model(
     _rebuild_rotary_embeddings(model, device)
     _restore_embedding_scale(model)
     from transformers import GenerationConfig  # seconds to import: only once built
+
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,

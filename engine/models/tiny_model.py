@@ -78,6 +78,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
 
         model = LlamaForCausalLM(config)
     from transformers import GenerationConfig  # seconds to import: only once built
+
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=end_ids,

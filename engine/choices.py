@@ -82,6 +82,7 @@ class ChoiceFactory:
         arrival: float,
         resumed: list[int],
         priority: int,
+        adapter: str | None = None,
     ) -> ChoiceState:
         if index:
             params = replace(params, seed=choice_seed(params.seed, index), prompt_logprobs=None)
@@ -98,7 +99,7 @@ class ChoiceFactory:
         if not prompt:
             raise EmptyPromptError(f"sequence {seq_id!r} has an empty prompt")
         seq = Sequence.create(
-            seq_id, prompt, params.max_tokens, arrival, sorted(stop_ids), resumed, priority
+            seq_id, prompt, params.max_tokens, arrival, sorted(stop_ids), resumed, priority, adapter
         )
         detok = None
         if params.detokenize:

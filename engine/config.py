@@ -80,6 +80,14 @@ class EngineConfig:
     # The chat template in place of the model's own (vLLM's --chat-template, as its text:
     # engine/chat_template.py resolve_chat_template reads the flag); None: the model's.
     chat_template: str | None = None
+    # LoRA adapters served beside the base model (vLLM's --lora-modules name=path): PEFT
+    # directories or llama.cpp GGUF adapters (engine/lora/), chosen per request by name.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    # How many adapters the engine holds at once (the least recently used one that no running
+    # request uses makes room), and the largest rank it accepts (vLLM's --max-loras and
+    # --max-lora-rank).
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.batching not in POLICIES:
@@ -123,6 +131,7 @@ class EngineConfig:
             from engine.chat_template import check_chat_template
 
             check_chat_template(self.chat_template, "chat_template")
+        self._check_lora()
         if self.noop_step_ms < 0:
             raise ValueError(f"noop_step_ms must be >= 0, got {self.noop_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -135,6 +144,20 @@ class EngineConfig:
         if self.speculative.model is not None and self.batching != "continuous":
             raise ValueError("a draft model speculates under continuous batching only")
         self.scheduler_config()  # validates the scheduler's share
+
+    def _check_lora(self) -> None:
+        names = [name for name, _ in self.lora_modules]
+        if any(not name or not path for name, path in self.lora_modules):
+            raise ValueError("lora_modules takes name=path pairs, each with a name and a path")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
+                f"{self.max_lora_rank}"
+            )
+        if self.lora_modules and self.compile:
+            raise ValueError("--compile compiles the base model's layers; LoRA adapters run eager")
 
     @classmethod
     def from_flat(cls, **fields: Any) -> EngineConfig:

@@ -33,6 +33,7 @@ class SequenceView:
     num_tokens: int  # prompt + output
     priority: int
     num_step_tokens: int = 0  # output tokens its latest sampling step gave (speculation: > 1)
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -177,6 +178,7 @@ class EngineView:
             seq.num_tokens,
             seq.priority,
             seq.speculation.num_step_tokens,
+            seq.adapter,
         )
 
     # ----- the device ----------------------------------------------------------------------

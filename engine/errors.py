@@ -40,8 +40,19 @@ class ResumedOutputError(RequestRejected):
     """A takeover's delivered tokens that do not fit the request (its choices, its max_tokens)."""
 
 
+class UnknownAdapterError(RequestRejected):
+    """A LoRA adapter this engine does not serve."""
+
+
 class GrammarError(RequestRejected):
     """A grammar that does not compile, or delivered tokens it does not accept."""
+
+
+class AdapterLoadError(ValueError):
+    """A LoRA adapter that cannot be served (engine/lora/): missing or unreadable files, a
+    module it targets that Jitney does not cover, a rank over the limit, shapes that are not
+    the base model's, or (to replace or remove it) one that live requests run under. An
+    operator's error, not a request's."""
 
 
 # What `except` a caller writes around add_request: the engine's refusals and the scheduler's

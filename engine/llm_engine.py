@@ -32,6 +32,8 @@ from engine.errors import (
     RequestTooLongError,
 )
 from engine.grammar_masks import Grammars
+from engine.lora.adapter_set import AdapterSet
+from engine.models.llama import LlamaForward
 from engine.models.model_loader import LoadedModel, load_model
 from engine.models.noop_model import NOOP
 from engine.outputs import (
@@ -101,6 +103,8 @@ class Engine:
         self.eos_token_ids = tuple(self.loaded.eos_token_ids)
         self.grammars = Grammars(self.loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._factory = ChoiceFactory(self.loaded.tokenizer, self.eos_token_ids, self.grammars)
+        self.adapters = self._adapter_set()  # LoRA adapters served by name (engine/lora/)
+        self.runner.adapters = self.adapters
         self.view = EngineView(self)  # what code outside the engine reads
         self.last_step_timing = StepTiming()  # the phases of the last step (the worker exports)
         self.last_idle_check_s = 0.0  # the pool check the last step ran if it left us idle
@@ -121,6 +125,41 @@ class Engine:
         )
         policy = make_policy(config.batching, self.scheduler_config, blocks, speculator)
         return blocks, policy
+
+    def _adapter_set(self) -> AdapterSet:
+        forward = self.runner.model_forward
+        config, model_config = self.config, self.loaded.config
+        targets = forward.lora_targets() if isinstance(forward, LlamaForward) else None
+        if config.lora_modules and targets is None:
+            raise ValueError(
+                "LoRA adapters run on Jitney's forward; this model runs transformers' "
+                "(a family Jitney's forward does not cover, or --model-impl transformers)"
+            )
+        heads = getattr(model_config, "num_attention_heads", 0) if targets else 0
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        return AdapterSet(
+            targets, config.lora_modules, config.max_loras, config.max_lora_rank, heads, kv_heads
+        )
+
+    # ----- LoRA adapters ---------------------------------------------------------------------
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters a request may name (`add_request(lora=...)`)."""
+        return self.adapters.names
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` (a PEFT directory or a GGUF adapter) as `name`, read and
+        checked now. Raises AdapterLoadError (a bad file, a module or rank not covered, an
+        adapter of that name in use)."""
+        self.adapters.add(name, path, self._adapters_in_use())
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving `name`. Raises UnknownAdapterError, or AdapterLoadError while a live
+        request runs under it."""
+        self.adapters.remove(name, self._adapters_in_use())
+
+    def _adapters_in_use(self) -> set[str]:
+        return {s.adapter for s in self.policy.seqs.values() if s.adapter is not None}
 
     @property
     def capacity(self) -> KVCapacity:
@@ -164,6 +203,7 @@ class Engine:
         output_token_ids: list[int] | Mapping[int, list[int]] | None = None,
         priority: int = 0,
         embed: bool = False,
+        lora: str | None = None,
     ) -> None:
         """Queue a request. Raises what engine.errors.REJECTIONS names (ValueErrors) when it
         refuses the request; nothing is queued then.
@@ -185,6 +225,9 @@ class Engine:
         `embed`: a pooling request (engine/pooling.py): its prompt is computed as any other's
         and it ends with its vector (`RequestOutput.embedding`) instead of tokens; `params`
         are not read (it samples nothing it shows). The prompt alone must fit the context.
+
+        `lora`: the name of a LoRA adapter the engine serves (`adapter_names`; engine/lora/) that
+        every row of the request runs under; None: the base model.
         """
         if embed:
             if not self.embedding_size:
@@ -192,9 +235,13 @@ class Engine:
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         resumed = resumed_choices(params, output_token_ids)
         self._check(request_id, prompt_token_ids, params, embed)
+        if lora is not None:
+            self.adapters.check(lora)  # UnknownAdapterError before anything is queued
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = [
-            self._factory.build(request_id, i, prompt_token_ids, params, arrival, tokens, priority)
+            self._factory.build(
+                request_id, i, prompt_token_ids, params, arrival, tokens, priority, lora
+            )
             for i, tokens in sorted(resumed.items())
         ]  # every choice is built (and checked) before any is queued
         self.choices.add(reqs, self.policy)
@@ -356,13 +403,18 @@ class Engine:
 
     # ----- offline -------------------------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        lora: str | list[str | None] | None = None,
     ) -> list[CompletedRequest]:
-        """Run prompts to completion on an idle engine; results in input order."""
+        """Run prompts to completion on an idle engine; results in input order. `lora`: the
+        adapter every prompt runs under, or one per prompt (None: the base model)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if any(p.n > 1 for p in params_list):
             raise ValueError("generate() returns one result per prompt: use add_request for n > 1")
-        return self._offline(prompts, params_list)
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        return self._offline(prompts, params_list, loras=loras)
 
     def embed(self, prompts: list[list[int]], normalized: bool = True) -> list[torch.Tensor]:
         """Each prompt's embedding (float32 [hidden]) on an idle engine, in input order: pooled
@@ -373,14 +425,19 @@ class Engine:
         return [normalize(v) if normalized else v for v in vectors]  # type: ignore[arg-type]
 
     def _offline(
-        self, prompts: list[list[int]], params_list: list[SamplingParams], embed: bool = False
+        self,
+        prompts: list[list[int]],
+        params_list: list[SamplingParams],
+        embed: bool = False,
+        loras: list[str | None] | None = None,
     ) -> list[CompletedRequest]:
         if self.has_unfinished():
             raise RuntimeError("offline runs need an idle engine; use add_request/step instead")
         results = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+        loras = loras or [None] * len(prompts)
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params_list, loras, strict=True)):
             rid = f"offline-{i}"
-            self.add_request(rid, prompt, p, embed=embed)
+            self.add_request(rid, prompt, p, embed=embed, lora=lora)
             results[rid] = CompletedRequest(rid, list(prompt))
         self.flush()
         while self.has_unfinished():

@@ -65,6 +65,9 @@ class ApiKey:
     # priority get tokens in proportion to their weights. Without one, its requests share the
     # priority's common queue (weight 1) with every other key without one.
     weight: int | None = None
+    # `role=admin` in the keys file: it may also load and unload LoRA adapters at runtime
+    # (with --enable-lora-runtime-updates). A key without a role is a plain one.
+    admin: bool = False
 
 
 def derived_key_id(key: str) -> str:
@@ -73,8 +76,8 @@ def derived_key_id(key: str) -> str:
 
 
 def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
-    """One key per entry: `KEY` or `ID:KEY`, then optional `rps=N burst=N tpm=N` overrides and
-    a default `priority=N` and a fair-share `weight=N`.
+    """One key per entry: `KEY` or `ID:KEY`, then optional `rps=N burst=N tpm=N` overrides, a
+    default `priority=N`, a fair-share `weight=N` and `role=admin` (or `role=user`, the default).
 
     Blank entries and `#` comments are skipped. Errors name the entry's position, never its
     text (it holds a secret)."""
@@ -92,7 +95,10 @@ def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
         if not key:
             raise ValueError(f"{source} entry {n}: empty key")
         where = f"{source} entry {n}"
-        values = _options(options, where)
+        roles = [o.partition("=")[2] for o in options if o.startswith("role=")]
+        if len(roles) > 1 or any(r not in ROLES for r in roles):
+            raise ValueError(f"{where}: role must be one of {', '.join(ROLES)} (at most once)")
+        values = _options([o for o in options if not o.startswith("role=")], where)
         priority = int(values.pop("priority", 0))
         if priority not in PRIORITIES:
             raise ValueError(f"{where}: priority must be in [{PRIORITIES[0]}, {PRIORITIES[-1]}]")
@@ -100,11 +106,13 @@ def parse_api_keys(entries: Iterable[str], source: str) -> list[ApiKey]:
         if weight is not None and not 1 <= weight <= MAX_WEIGHT:
             raise ValueError(f"{where}: weight must be in [1, {MAX_WEIGHT}]")
         RateLimits(**values)  # type: ignore[arg-type]  # checks the values now, not per request
-        keys.append(ApiKey(key_id, key, tuple(values.items()), priority, weight))
+        admin = roles == ["admin"]
+        keys.append(ApiKey(key_id, key, tuple(values.items()), priority, weight, admin))
     return keys
 
 
 _OPTIONS = ("rps", "burst", "tpm", "priority", "weight")
+ROLES = ("user", "admin")
 MAX_WEIGHT = 1000
 
 
@@ -114,8 +122,8 @@ def _options(options: list[str], where: str) -> dict[str, float]:
         name, _, value = option.partition("=")
         if name not in _OPTIONS or name in values:
             raise ValueError(
-                f"{where}: options are rps=N, burst=N, tpm=N, priority=N, weight=N "
-                "(each at most once)"
+                f"{where}: options are rps=N, burst=N, tpm=N, priority=N, weight=N, "
+                "role=user|admin (each at most once)"
             )
         try:
             values[name] = float(value) if name == "rps" else int(value)
@@ -203,6 +211,10 @@ class GatewayConfig:
     # Reasoning parsers (generation.reasoning): (model, parser name) pairs, model "" for every
     # model not named; a model without one has its output returned unsplit.
     reasoning_parsers: tuple[tuple[str, str], ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), for admin keys only
+    # (with no keys they stay off), reading adapters only under `lora_root`.
+    enable_lora_runtime_updates: bool = False
+    lora_root: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -250,6 +262,8 @@ class GatewayConfig:
             raise ValueError("a model is given two reasoning parsers")
         for _, name in self.reasoning_parsers:
             reasoning_format(name)  # a ValueError naming the known parsers
+        if self.enable_lora_runtime_updates and not self.lora_root:
+            raise ValueError("--enable-lora-runtime-updates needs --lora-root (where adapters lie)")
         if self.reply_block_ms / 1000 >= self.redis_timeout_s:
             raise ValueError(
                 f"reply block ({self.reply_block_ms} ms) must be shorter than the Redis socket "

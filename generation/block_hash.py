@@ -18,23 +18,34 @@ from collections.abc import Sequence
 SUMMARY_BYTES = 8
 
 
+def chain_root(adapter: str | None = None) -> bytes:
+    """What the first block's hash chains from: the base model's root, or a LoRA adapter's own
+    (the same tokens under two adapters have different K/V, so they never share a block)."""
+    return b"root" if adapter is None else b"lora\0" + adapter.encode()
+
+
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained content hash of one full block (blake2b: collisions would corrupt output)."""
+    """Chained content hash of one full block (blake2b: collisions would corrupt output);
+    `parent_hash` None: the base model's first block."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash or b"root")
+    h.update(parent_hash or chain_root())
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, max_blocks: int | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    max_blocks: int | None = None,
+    adapter: str | None = None,
 ) -> list[bytes]:
-    """The chained hashes of the full blocks of `token_ids` (at most `max_blocks` of them)."""
+    """The chained hashes of the full blocks of `token_ids` (at most `max_blocks` of them), run
+    under LoRA adapter `adapter` (None: the base model)."""
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
         num_full = min(num_full, max_blocks)
     hashes: list[bytes] = []
-    parent: bytes | None = None
+    parent: bytes | None = None if adapter is None else chain_root(adapter)
     for i in range(num_full):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)

@@ -193,6 +193,10 @@ class Keys:
     def model(self, name: str) -> str:
         return f"{self.tag}:model:{name}"
 
+    def lora_adapters(self, model: str) -> str:
+        """The LoRA adapters loaded at runtime for `model` (protocol/lora_registry.py)."""
+        return f"{self.tag}:lora_adapters:{model}"
+
     @property
     def dead_letters(self) -> str:
         return f"{self.tag}:dead"

@@ -116,6 +116,9 @@ class RequestMessage(Message):
     # when tracing is on: the worker's spans continue that trace (protocol/tracing.py). A
     # worker that does not know the field ignores it; None when the gateway traces nothing.
     trace_context: dict[str, str] | None = None
+    # The LoRA adapter the request runs under (the name a client gave as its `model`, which the
+    # gateway resolved to `model`, the adapter's base); None: the base model itself.
+    lora: str | None = None
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -252,3 +255,6 @@ class ModelCard(Message):
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     # The length of its embeddings (/v1/embeddings: the hidden size); 0: none or not known.
     embedding_size: int = 0
+    # The LoRA adapters its workers serve beside it (`--lora-modules` names): a request naming
+    # one as its `model` runs on this model's queue under that adapter.
+    adapters: list[str] = field(default_factory=list)

@@ -40,6 +40,7 @@ class Seat:
     # Output tokens its latest step gave it: 1 a decode, more a speculative verification (0:
     # none yet, or a worker before this field).
     step_tokens: int = 0
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
     def to_list(self) -> list[Any]:
         return [
@@ -53,6 +54,7 @@ class Seat:
             self.priority,
             self.key,
             self.step_tokens,
+            self.adapter,
         ]
 
 
@@ -68,6 +70,7 @@ SEAT_FIELDS = (
     "priority",
     "key",
     "step_tokens",
+    "adapter",
 )
 
 

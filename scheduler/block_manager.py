@@ -207,7 +207,7 @@ class KVBlockManager:
         if not self.enable_prefix_caching:
             return []
         if seq.prompt_block_hashes is None:
-            hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size)
+            hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size, adapter=seq.adapter)
             seq.prompt_block_hashes = (self.block_size, hashes)
         block_size, hashes = seq.prompt_block_hashes
         if block_size != self.block_size:

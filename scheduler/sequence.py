@@ -136,6 +136,9 @@ class Sequence:
     uses_prefix_cache: bool = True
     # Its speculative decoding: whether it may, its drafts in flight, their odds, its totals.
     speculation: SpeculationState = field(default_factory=SpeculationState)
+    # The LoRA adapter its rows run under (None: the base model). Part of its prefix-cache
+    # hashes: two adapters never share K/V.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -151,15 +154,19 @@ class Sequence:
         stop_token_ids: SequenceABC[int] = (),
         output_token_ids: SequenceABC[int] = (),
         priority: int = 0,
+        adapter: str | None = None,
     ) -> Sequence:
         """`output_token_ids`: tokens already generated elsewhere (a request taken over from a
-        dead worker); like a preempted sequence, its K/V is recomputed before it samples again."""
+        dead worker); like a preempted sequence, its K/V is recomputed before it samples again.
+        `adapter`: the LoRA adapter it runs under (None: the base model)."""
         limits = SamplingLimits(max_tokens, frozenset(stop_token_ids))
         if len(output_token_ids) >= max_tokens:
             n = len(output_token_ids)
             raise ValueError(f"{seq_id!r}: {n} output tokens already, max_tokens {max_tokens}")
         output = list(output_token_ids)
-        return cls(seq_id, list(prompt_token_ids), limits, arrival_time, output, priority)
+        seq = cls(seq_id, list(prompt_token_ids), limits, arrival_time, output, priority)
+        seq.adapter = adapter
+        return seq
 
     @property
     def num_prompt_tokens(self) -> int:

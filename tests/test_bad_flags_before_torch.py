@@ -69,6 +69,28 @@ def test_a_worker_whose_metrics_port_is_taken_exits_2_before_torch_is_imported()
     assert "torch imported: False" in result.stderr
 
 
+WORKER = ["worker", *TINY, "--metrics-port", "0"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*WORKER, "--lora-modules", "sql"], "'sql' is not name=path"),
+        (["generate", *TINY, "hi", "--lora-modules", '{"name": "a"}'], "fields name and path"),
+        (["up", *TINY, "--lora-modules", '{"name": "a", "path": "/a", "x": 1}'], "key(s) 'x'"),
+        (["up", *TINY, "--lora-modules", "a=/x", "a=/y"], "names 'a' more than once"),
+        ([*WORKER, "--lora-modules", "a=/x", "a=/y"], "names 'a' more than once"),
+        ([*WORKER, "--max-lora-rank", "0"], "'0' is not a whole number of at least 1"),
+    ],
+    ids=["worker-item", "generate-json", "up-json-key", "up-twice", "worker-twice", "rank"],
+)
+def test_a_bad_lora_flag_is_refused_before_torch_is_imported(argv, message):
+    result = run_and_report(argv)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "torch imported: False" in result.stderr, result.stderr
+
+
 THREADS_REFUSED = "must be a whole number of at least 1"
 
 

@@ -126,6 +126,21 @@ def test_no_prompt_lookup_resume_reaches_the_proposer_and_the_workers_up_starts(
     assert "--no-prompt-lookup-resume" not in engine_args_to_argv(bare)
 
 
+def test_lora_modules_in_both_forms_reach_the_engine_and_the_workers_up_starts():
+    """`name=path` and vLLM's JSON item both reach EngineConfig; `jitney up` passes them on."""
+    item = '{"name": "chat", "path": "/adapters/chat", "base_model_name": "x"}'
+    argv = ["up", "--lora-modules", "sql=/adapters/sql", item, "--max-loras", "2"]
+    args = build_parser(["up"]).parse_args(argv)
+    config = engine_config_from_args(args)
+    assert config.lora_modules == (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
+    assert config.max_loras == 2
+    passed = engine_args_to_argv(args)
+    at = passed.index("--lora-modules")
+    assert passed[at : at + 3] == ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]
+    again = build_parser(["worker"]).parse_args(["worker", *passed])
+    assert engine_config_from_args(again) == config
+
+
 def test_max_preemptions_per_seq_below_one_is_refused():
     args = build_parser(["worker"]).parse_args(["worker", "--max-preemptions-per-seq", "0"])
     with pytest.raises(ValueError, match="max_preemptions_per_seq must be >= 1, got 0"):

@@ -84,6 +84,22 @@ def test_messages_round_trip_through_stream_fields():
     assert CancelMessage.decode(CancelMessage("r1").encode()).reason == "client_gone"
 
 
+def test_a_request_s_adapter_and_a_card_s_adapters_travel_and_older_messages_decode():
+    """`lora` and `adapters` round-trip; a message written before them gets their defaults."""
+    req = RequestMessage("r1", "m", [1], {}, "jitney:replies:g1", "g1", 1.0, lora="sql")
+    assert RequestMessage.decode(req.encode()).lora == "sql"
+    older = {
+        "v": "1",
+        "m": json.dumps({k: v for k, v in json.loads(req.encode()["m"]).items() if k != "lora"}),
+    }
+    assert RequestMessage.decode(older).lora is None
+    card = ModelCard("m", 64, [2], "{}", adapters=["sql", "chat"])
+    assert ModelCard.decode(card.encode()).adapters == ["sql", "chat"]
+    fields = json.loads(card.encode()["m"])
+    del fields["adapters"]
+    assert ModelCard.decode({"v": "1", "m": json.dumps(fields)}).adapters == []
+
+
 def test_sampling_params_travel_as_a_dict_and_come_back_equal():
     """to_dict is plain JSON (lists, floats); from_dict gives back the same frozen value."""
     params = SamplingParams(

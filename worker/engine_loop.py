@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.llm_engine import Engine
 from protocol import STOP_STRING, CancelMessage, ModelCard, ProtocolError
+from worker.adapter_watch import AdapterWatch
 from worker.admission import Admission
 from worker.failpoints import Failpoints
 from worker.intake import Intake
@@ -90,9 +91,14 @@ class WorkerService:
         self.state = _LoopState()
         self.takeover = Takeover(io)
         self.admission = Admission()
+        # The fleet's runtime LoRA adapters, loaded and dropped as gateways register them.
+        self.adapters = AdapterWatch(
+            io.client, io.keys, card.name, engine, frozenset(card.adapters)
+        )
         self.intake = Intake(
             engine, io, self.book, metrics, card, self.takeover, self.admission, self.failpoints
         )
+        self.intake.adapters = self.adapters
         self.lease = Lease(io, card, config.stall_timeout_s)
         self.backoff = RedisBackoff(
             on_recovered=self.takeover.after_outage, on_outage=self._resend_recent
@@ -173,6 +179,9 @@ class WorkerService:
         self._read_cancels()
         if not self.stopping and self.takeover.due():
             self._scan()
+        self.adapters.maybe_sync()  # between steps, at most once a second
+        if self.adapters.loaded:  # serving adapters now: vLLM's lora info is exported
+            self.metrics.lora.enable(self.engine.config.max_loras)
         self._admit()
         if self.engine.has_unfinished():
             self._step()
@@ -189,6 +198,7 @@ class WorkerService:
             view.kv_free_blocks,
             view.kv_total_blocks,
         )
+        self.metrics.lora.observe(view)  # the adapters running and waiting, a few times a second
 
     def _resend_recent(self) -> None:
         self.resend = True

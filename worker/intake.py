@@ -19,6 +19,7 @@ from engine.errors import REJECTIONS
 from engine.llm_engine import Engine
 from protocol import ModelCard, ProtocolError, ReplyMessage, RequestMessage
 from protocol.queue import entry_cost
+from worker.adapter_watch import AdapterWatch
 from worker.admission import Admission
 from worker.failpoints import Failpoints
 from worker.log_fields import kv
@@ -47,6 +48,7 @@ class Intake:
     admission: Admission
     failpoints: Failpoints
     dead_gateways: set[str] = field(default_factory=set)  # as the last takeover scan found
+    adapters: AdapterWatch | None = None  # the fleet's runtime LoRA adapters (None: not watched)
 
     def take(self, entries: list[Entry]) -> None:
         """Entries this worker read from its queues (one round trip: the dequeue flags)."""
@@ -156,6 +158,8 @@ class Intake:
     ) -> None:
         """Hand a request to the engine; `delivered`: the replies a takeover continues after."""
         e = self.engine
+        if self.adapters is not None and isinstance(msg.lora, str):
+            self.adapters.ensure(msg.lora)  # registered since the last poll: loaded now
         try:
             params = checked_params(msg, self.card.name, e.vocab_size)
             resumed = None if delivered is None else resumed_outputs(delivered, params.n)
@@ -168,6 +172,7 @@ class Intake:
                 resumed,
                 priority=msg.priority,
                 embed=msg.embed is True,  # /v1/embeddings: a vector, no tokens
+                lora=msg.lora,  # a takeover's too: the entry carries it
             )
         except (InvalidRequest, *REJECTIONS) as err:  # too long, infeasible, bad fields
             self.book.reject(msg.request_id, request, "error", str(err), INVALID_REQUEST)
@@ -176,13 +181,20 @@ class Intake:
             self._start_failed(msg, request)
             return
         request.open_choices = len(resumed) if isinstance(resumed, dict) else params.n
+        request.adapter = msg.lora
         if delivered:
             request.last_token_time = time.monotonic()
+        elif msg.lora is not None:  # a takeover was counted where it started
+            self.metrics.lora.started(msg.lora)
         self.book.track(msg.request_id, request)
         self.admission.started(e.view, len(msg.prompt_token_ids), params.max_tokens)
         logger.debug(
             "request_started %s",
-            kv(request=msg.request_id, prompt_tokens=len(msg.prompt_token_ids)),
+            kv(
+                request=msg.request_id,
+                prompt_tokens=len(msg.prompt_token_ids),
+                **({"lora": msg.lora} if msg.lora else {}),
+            ),
         )
 
     def _start_failed(self, msg: RequestMessage, request: TrackedRequest) -> None:

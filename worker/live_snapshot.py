@@ -85,6 +85,7 @@ def build_snapshot(
             seq.priority,
             _key_id(tracked, seq.request_id),
             seq.num_step_tokens,
+            seq.adapter,
         )
         for seq in view.sequences(waiting_seats)
     ]

@@ -27,6 +27,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from engine.step_timing import PHASES, PUBLISH, StepTiming
 from protocol.metric_buckets import TTFT_BUCKETS
 from scheduler import SchedulerStats
+from worker.lora_metrics import LoraMetrics
 from worker.metrics_server import bind_metrics_port
 from worker.placement_metrics import PlacementMetrics
 from worker.vllm_metrics import served_registry
@@ -240,6 +241,7 @@ class WorkerMetrics:
             registry=r,
         )
         self.placement = PlacementMetrics(r, self._labels)
+        self.lora = LoraMetrics(r, self._labels)
         # The scheduler's counters are running totals; the exporter adds their increments.
         self._last_totals: tuple[int, ...] = ()  # none yet: all zero
         # /ready answers this (the service sets it: joined and not stopping).

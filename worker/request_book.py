@@ -46,6 +46,7 @@ class TrackedRequest:
     cost: int = 0  # tokens its queue was charged when read (prompt + max_tokens of each choice)
     used: int = 0  # completion tokens of its finished choices
     trace: RequestTrace | None = None  # what its spans will say (None: tracing off)
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass(slots=True)
@@ -176,6 +177,7 @@ class RequestBook:
             "request_finished %s",
             kv(
                 request=out.request_id,
+                **({"lora": request.adapter} if request.adapter else {}),
                 reason=reason,
                 completion_tokens=out.num_output_tokens,
                 draft_tokens=out.num_draft_tokens,

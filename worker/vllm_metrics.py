@@ -31,6 +31,7 @@ VLLM_NAMES = {
     "jitney_spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
     "jitney_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
     "jitney_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "jitney_lora_requests_info": "vllm:lora_requests_info",
 }
 LABEL_NAMES = {"model": "model_name", "reason": "finished_reason"}
 

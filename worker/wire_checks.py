@@ -34,7 +34,8 @@ def decode_request(entry: Entry, keys: Keys) -> RequestMessage:
 
 def checked_params(msg: RequestMessage, served_model: str, vocab_size: int) -> SamplingParams:
     """The request's sampling parameters, once what the engine cannot check itself is checked:
-    the model it names, its prompt's token ids, its sampling fields and its priority."""
+    the model it names, its prompt's token ids, its sampling fields, its priority and the type
+    of its adapter's name (whether this engine serves that adapter is the engine's check)."""
     if msg.model != served_model:
         raise InvalidRequest(f"model {msg.model!r} is not served here (this is {served_model!r})")
     ids = msg.prompt_token_ids
@@ -46,4 +47,6 @@ def checked_params(msg: RequestMessage, served_model: str, vocab_size: int) -> S
         raise InvalidRequest(str(e)) from e
     if msg.priority not in PRIORITIES:
         raise InvalidRequest(f"priority must be in [{PRIORITIES[0]}, {PRIORITIES[-1]}]")
+    if msg.lora is not None and not isinstance(msg.lora, str):
+        raise InvalidRequest("lora must be an adapter's name")
     return params

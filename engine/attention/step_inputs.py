@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from engine.kv_cache import PagedKVCache
 from engine.runner.input_batch import InputBatch
+
+if TYPE_CHECKING:  # a field's type only: the attention never looks inside
+    from engine.lora.step_rows import StepAdapters
 
 # A new decode group costs one more read + SDPA per layer; it pays when the padding it avoids
 # exceeds about this many key positions. Measured on CPU (SmolLM2, mixed-64 trace, same process):
@@ -96,6 +99,8 @@ class AttentionMetadata:
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     # [T] each token's row of the InputBatch block table (the CUDA-graph path copies rows).
     table_rows: torch.Tensor | None = None
+    # The step's rows grouped by LoRA adapter (engine/lora/step_rows.py); None: the base model's.
+    adapters: StepAdapters | None = None
 
     @property
     def num_tokens(self) -> int:

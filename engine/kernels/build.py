@@ -48,6 +48,7 @@ _SOURCE_NAMES = (
     "attention_avx2",
     "attention_avx512",
     "decode_layers",
+    "lora_add",
     "sampling",
 )
 SOURCES = tuple(CSRC / f"{name}.cpp" for name in _SOURCE_NAMES)

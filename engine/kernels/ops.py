@@ -50,7 +50,10 @@ SCHEMAS = {
         "(Tensor(a!) x, Tensor[] tensors, int[] matrices, Tensor[] cos, Tensor[] sin, "
         "Tensor slots, Tensor(b!) kv, Tensor block_tables, Tensor ctx_lens, int num_heads, "
         "int num_kv_heads, float eps, int[] windows, int[] rope_tables, Tensor[] out_norms, "
-        "float scale, int activation) -> ()"
+        "float scale, int activation, Tensor[] lora_rows, Tensor[] lora, int[] lora_ints) -> ()"
+    ),
+    "lora_add_": (
+        "(Tensor(a!) y, Tensor x, Tensor rows, Tensor a, Tensor[] b, int[] starts) -> ()"
     ),
 }
 
@@ -134,7 +137,15 @@ def _llama_decode_layers_fake(
     out_norms,
     scale,
     activation,
+    lora_rows,
+    lora,
+    lora_ints,
 ):
+    return None
+
+
+@torch.library.register_fake("jitney::lora_add_")
+def _lora_add_fake(y, x, rows, a, b, starts):
     return None
 
 

@@ -248,6 +248,28 @@ def paged_decode_(
         out[b] = (weights @ values)[:, 0]
 
 
+def lora_add_(
+    y: torch.Tensor,  # [T, out] float32, updated in place
+    x: torch.Tensor,  # [T, in] float32
+    rows: torch.Tensor,  # [n] int64: the rows of y and x under this adapter
+    a: torch.Tensor,  # [R, in]: the parts' A stacked (float16 or float32)
+    b: list[torch.Tensor],  # per part: PEFT's B transposed, [r_p, out_p]
+    starts: list[int],  # per part: its first column of y, its first row of R
+) -> None:
+    """One adapter's low-rank update of a (fused) projection, added to its rows of y."""
+    low = x[rows] @ a.float().T
+    for p, bt in enumerate(b):
+        start, rank_start = starts[2 * p], starts[2 * p + 1]
+        cols = slice(start, start + bt.shape[1])
+        y[rows, cols] += low[:, rank_start : rank_start + bt.shape[0]] @ bt.float()
+
+
+# LoRA in llama_decode_layers_: per adapter group, layer and matrix, A then each part's B (empty
+# where absent), and per (group, layer, matrix) its part count and each part's two starts.
+LORA_MATRIX_TENSORS = 1 + 3
+LORA_MATRIX_INTS = 1 + 2 * 3
+
+
 # llama_decode_layers_'s per-layer tensors: four vectors, then four matrices of four tensors.
 DECODE_LAYER_VECTORS = ("input_norm", "post_norm", "q_norm", "k_norm")
 DECODE_LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
@@ -289,11 +311,28 @@ def llama_decode_layers_(
     out_norms: list[torch.Tensor],  # none, or per layer the attention's and the MLP's (Gemma)
     scale: float,  # the attention scores' scale
     activation: int,  # the MLP's gate: 0 SiLU, 1 GELU-tanh (engine/models/families.py)
+    lora_rows: list[torch.Tensor] = (),  # type: ignore[assignment]  # per adapter group: rows
+    lora: list[torch.Tensor] = (),  # type: ignore[assignment]  # LORA_MATRIX_TENSORS each
+    lora_ints: list[int] = (),  # type: ignore[assignment]  # LORA_MATRIX_INTS each
 ) -> None:
-    """Every decoder layer of a decode-only step: the fused forward's layers, op for op."""
+    """Every decoder layer of a decode-only step: the fused forward's layers, op for op, each
+    matrix's LoRA updates added for their groups' rows."""
     num_tokens, per = x.shape[0], TENSORS_PER_DECODE_LAYER
     head_dim = kv.shape[-1]
     nt, ni = DECODE_MATRIX_TENSORS, DECODE_MATRIX_INTS
+    num_layers = len(windows)
+
+    def linear(y_in: torch.Tensor, layer: int, matrix: int, mats, ints) -> torch.Tensor:
+        y = _kind_linear(y_in, mats[matrix], ints[matrix])
+        for g, rows in enumerate(lora_rows):
+            at = (g * num_layers + layer) * 4 + matrix
+            a = lora[at * LORA_MATRIX_TENSORS]
+            if a.numel():
+                info = lora_ints[at * LORA_MATRIX_INTS : (at + 1) * LORA_MATRIX_INTS]
+                b = lora[at * LORA_MATRIX_TENSORS + 1 : at * LORA_MATRIX_TENSORS + 1 + info[0]]
+                lora_add_(y, y_in, rows, a, list(b), info[1 : 1 + 2 * info[0]])
+        return y
+
     h = rms_norm(x, tensors[0], eps)
     for layer, window in enumerate(windows):
         t = tensors[layer * per : (layer + 1) * per]
@@ -302,7 +341,7 @@ def llama_decode_layers_(
         ints = [info[ni * i : ni * (i + 1)] for i in range(4)]
         key_cache, value_cache = kv[layer, 0], kv[layer, 1]
         slots_view = (-1, num_kv_heads, head_dim)
-        qkv = _kind_linear(h, mats[0], ints[0])
+        qkv = linear(h, layer, 0, mats, ints)
         table = rope_tables[layer]
         qk = rope_write_kv_(
             qkv, cos[table], sin[table], slots, key_cache.view(slots_view),
@@ -313,12 +352,12 @@ def llama_decode_layers_(
         paged_decode_(
             qk[:, :num_heads], key_cache, value_cache, block_tables, ctx_lens, scale, window, attn
         )
-        o = _kind_linear(attn.view(num_tokens, -1), mats[1], ints[1])
+        o = linear(attn.view(num_tokens, -1), layer, 1, mats, ints)
         if out_norms:
             o = rms_norm(o, out_norms[2 * layer], eps)
         h = add_rms_norm_(x, o, t[1], eps)
         gate = (silu_mul, gelu_tanh_mul)[activation]
-        r = _kind_linear(gate(_kind_linear(h, mats[2], ints[2])), mats[3], ints[3])
+        r = linear(gate(linear(h, layer, 2, mats, ints)), layer, 3, mats, ints)
         if out_norms:
             r = rms_norm(r, out_norms[2 * layer + 1], eps)
         if layer + 1 < len(windows):

@@ -34,6 +34,8 @@ from engine.attention.step_inputs import AttentionMetadata
 from engine.kernels.reference import DECODE_MAX_PARTS
 from engine.kv_cache import PagedKVCache
 from engine.layers.quantized import QuantizedLinear
+from engine.lora.adapter_set import LoraTargets
+from engine.lora.step_rows import StepAdapters
 from engine.models.families import (
     UnsupportedArchitectureError,
     family_switches,
@@ -137,18 +139,34 @@ class LlamaForward(nn.Module):
             if self.embed_scale is not None:
                 x = x * self.embed_scale
             angles = [rotary.angles(pos, x.dtype) for rotary in self.rotaries]
+            lora = metadata.adapters
             if self.fused_ops:
                 flat = [(cos.squeeze(1), sin.squeeze(1)) for cos, sin in angles]
-                x = self._layers_fused(x, flat, metadata, kv_cache)
+                x = self._layers_fused(x, flat, metadata, kv_cache, lora)
             else:
                 for layer in self.layers:
-                    x = layer(x, *angles[layer.rope], metadata, kv_cache, self.steps)
+                    x = layer(x, *angles[layer.rope], metadata, kv_cache, self.steps, lora)
             rows = metadata.logits_indices
             if hidden_rows is None:
                 return self._logits(rms_norm(x[rows], self.norm, self.shape.rms_norm_eps))
             # One final norm over both sets of rows (row-wise: each row as it would be alone).
             x = rms_norm(x[torch.cat((rows, hidden_rows))], self.norm, self.shape.rms_norm_eps)
             return self._logits(x[: rows.numel()]), x[rows.numel() :]
+
+    def lora_targets(self) -> LoraTargets:
+        """The projections a LoRA adapter of this model must match (engine/lora/)."""
+        s = self.shape
+        q_out, kv_out, _ = s.qkv_sizes
+        return LoraTargets.llama(
+            s.num_layers,
+            s.hidden_size,
+            q_out,
+            kv_out,
+            self.config.intermediate_size,
+            self.dtype,
+            self.norm.device,
+            kernel=self.fused_ops,
+        )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(h)
@@ -177,6 +195,7 @@ class LlamaForward(nn.Module):
         angles: list[tuple[torch.Tensor, torch.Tensor]],  # per rotary table: cos, sin [T, width]
         meta: AttentionMetadata,
         kv_cache: PagedKVCache,
+        lora: StepAdapters | None,
     ) -> torch.Tensor:
         """Every layer through the jitney:: ops; each residual add is fused with the norm that
         follows it (the next layer's input norm, across layers), x updated in place. A
@@ -187,6 +206,7 @@ class LlamaForward(nn.Module):
         x = x.contiguous()
         if self._decode_layers is not None and _decode_only(meta, kv_cache, x.shape[0]):
             tensors, matrices, out_norms = self._decode_layers
+            lora_rows, lora_tensors, lora_ints = lora.decode_arguments() if lora else ([], [], [])
             group = meta.decodes[0]
             ops.llama_decode_layers_(
                 x,
@@ -206,15 +226,18 @@ class LlamaForward(nn.Module):
                 out_norms,
                 s.switches.attention_scale,
                 s.switches.activation_kind,
+                lora_rows,
+                lora_tensors,
+                lora_ints,
             )
             return x
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             cos, sin = angles[layer.rope]
             h = ops.add_rms_norm_(
-                x, layer.attention_fused(h, cos, sin, meta, kv_cache), layer.post_norm, eps
+                x, layer.attention_fused(h, cos, sin, meta, kv_cache, lora), layer.post_norm, eps
             )
-            r = layer.mlp_fused(h)
+            r = layer.mlp_fused(h, lora)
             if i + 1 < len(self.layers):
                 h = ops.add_rms_norm_(x, r, self.layers[i + 1].input_norm, eps)
             else:

@@ -23,6 +23,7 @@ from torch import nn
 from engine.attention.paged_attention import attend, paged_attention_forward
 from engine.attention.step_inputs import AttentionMetadata
 from engine.kv_cache import PagedKVCache
+from engine.lora.step_rows import StepAdapters
 from engine.models.families import FamilySwitches
 from engine.models.weight_sources import WeightSource
 
@@ -85,15 +86,28 @@ class _AttentionSite:
     sliding_window: int | None
 
 
+def project(
+    layer: LlamaLayer, name: str, x: torch.Tensor, lora: StepAdapters | None
+) -> torch.Tensor:
+    """One of the layer's fused projections ("qkv", "o", "gate_up", "down") of x, with the
+    step's LoRA updates added to their rows."""
+    y = getattr(layer, name)(x)
+    return y if lora is None else lora.add(layer.site.layer_idx, name, y, x)
+
+
 def attention_inputs(
-    layer: LlamaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    layer: LlamaLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: StepAdapters | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's input norm, QKV projection, (Qwen3, Gemma) per-head norms and rotary
     embeddings: Q, K [T, heads, d] rotated, V [T, kv heads, d]."""
     s = layer.shape
     num_tokens = x.shape[0]
     h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
-    q, k, v = layer.qkv(h).split(s.qkv_sizes, dim=-1)
+    q, k, v = project(layer, "qkv", h, lora).split(s.qkv_sizes, dim=-1)
     q = q.view(num_tokens, s.num_heads, s.head_dim)
     k = k.view(num_tokens, s.num_kv_heads, s.head_dim)
     v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
@@ -103,17 +117,19 @@ def attention_inputs(
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
-def after_attention(layer: LlamaLayer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+def after_attention(
+    layer: LlamaLayer, x: torch.Tensor, attn: torch.Tensor, lora: StepAdapters | None = None
+) -> torch.Tensor:
     """A layer's output projection, (Gemma) its output's norm, residual add, the MLP's norm, the
     gated MLP (SwiGLU or GeGLU), (Gemma) its output's norm and residual add."""
     s = layer.shape
-    a = layer.o(attn)
+    a = project(layer, "o", attn, lora)
     if layer.attn_out_norm is not None:
         a = rms_norm(a, layer.attn_out_norm, s.rms_norm_eps)
     x = x + a
     h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
-    gate, up = layer.gate_up(h).chunk(2, dim=-1)
-    m = layer.down(_GATES[s.switches.activation](gate) * up)
+    gate, up = project(layer, "gate_up", h, lora).chunk(2, dim=-1)
+    m = project(layer, "down", _GATES[s.switches.activation](gate) * up, lora)
     if layer.mlp_out_norm is not None:
         m = rms_norm(m, layer.mlp_out_norm, s.rms_norm_eps)
     return x + m
@@ -199,12 +215,13 @@ class LlamaLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: PagedKVCache,
         steps: LayerSteps | None = None,
+        lora: StepAdapters | None = None,
     ) -> torch.Tensor:
         """The layer in plain torch ops; `steps` (LlamaForward's) may be compiled versions of
-        the two halves around the attention."""
+        the two halves around the attention; `lora`: the step's adapter rows."""
         s, steps = self.shape, steps or EAGER_STEPS
         num_tokens = x.shape[0]
-        q, k, v = steps.attention_inputs(self, x, cos, sin)
+        q, k, v = steps.attention_inputs(self, x, cos, sin, lora)
         # The shared attention takes transformers' [1, heads, T, d] layout: views, no copies.
         out, _ = paged_attention_forward(
             self.site,  # type: ignore[arg-type]
@@ -217,7 +234,8 @@ class LlamaLayer(nn.Module):
             kv_cache=kv_cache,
             sliding_window=self.site.sliding_window,
         )
-        return steps.after_attention(self, x, out.view(num_tokens, s.num_heads * s.head_dim))
+        attn = out.view(num_tokens, s.num_heads * s.head_dim)
+        return steps.after_attention(self, x, attn, lora)
 
     def attention_fused(
         self,
@@ -226,11 +244,12 @@ class LlamaLayer(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: PagedKVCache,
+        lora: StepAdapters | None = None,
     ) -> torch.Tensor:
         """The attention block through the jitney:: ops: its output projection, [T, hidden]."""
         s, layer = self.shape, self.site.layer_idx
         num_tokens = h.shape[0]
-        qkv = self.qkv(h)
+        qkv = project(self, "qkv", h, lora)
         qk = torch.ops.jitney.rope_write_kv_(
             qkv,
             cos,
@@ -255,16 +274,16 @@ class LlamaLayer(nn.Module):
             s.switches.attention_scale,
             self.site.sliding_window,
         )
-        o = self.o(out.view(num_tokens, s.num_heads * s.head_dim))
+        o = project(self, "o", out.view(num_tokens, s.num_heads * s.head_dim), lora)
         if self.attn_out_norm is not None:
             o = torch.ops.jitney.rms_norm(o, self.attn_out_norm, s.rms_norm_eps)
         return o
 
-    def mlp_fused(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp_fused(self, h: torch.Tensor, lora: StepAdapters | None = None) -> torch.Tensor:
         s, ops = self.shape, torch.ops.jitney
-        gu = self.gate_up(h)
+        gu = project(self, "gate_up", h, lora)
         act = ops.silu_mul(gu) if s.switches.activation == "silu" else ops.gelu_tanh_mul(gu)
-        m = self.down(act)
+        m = project(self, "down", act, lora)
         if self.mlp_out_norm is not None:
             m = ops.rms_norm(m, self.mlp_out_norm, s.rms_norm_eps)
         return m

@@ -16,6 +16,8 @@ from engine.attention.step_inputs import AttentionMetadata
 from engine.device_copy import device_tensor
 from engine.kv_cache import PagedKVCache
 from engine.layers.quantized import COVERED_KINDS
+from engine.lora.adapter_set import AdapterSet
+from engine.lora.step_rows import StepAdapters
 from engine.models.forward import ModelForward, TransformersForward
 from engine.models.gguf_weights import read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
@@ -192,6 +194,8 @@ class ModelRunner:
         self.batch = InputBatch(self.device)
         # Decode-only steps at padded shapes (CUDA graphs); None: every step eager.
         self.graphs: DecodeGraphs | None = None
+        # The LoRA adapters the engine serves (engine/lora/); None: none.
+        self.adapters: AdapterSet | None = None
 
     def enable_decode_graphs(
         self, max_batch: int, max_model_len: int, capture: GraphCapture | None
@@ -231,8 +235,11 @@ class ModelRunner:
         keys: list[str] = []
         sample: list[bool] = []
         wanted: list[tuple[int, int]] = []  # (layout entry, leading tokens) whose logits follow
+        spans: list[tuple[str, int, int]] = []  # rows under an adapter: (name, first, count)
         for chunk in plan.chunks:
             seq, blocks = seqs[chunk.seq_id], block_ids(chunk.seq_id)
+            if seq.adapter is not None:
+                spans.append((seq.adapter, len(input_ids), chunk.num_tokens))
             if chunk.is_prefill:
                 if hidden_rows and (span := hidden_rows.get(chunk.seq_id)) is not None:
                     hidden += range(len(input_ids) + span[0], len(input_ids) + sum(span))
@@ -258,8 +265,10 @@ class ModelRunner:
             sample.append(True)
         hidden_ids = device_tensor(hidden, self.device, torch.int64) if hidden else None
         graph_ctx = None
-        if self.graphs is not None and not any(
-            c.is_prefill or c.num_draft_tokens for c in plan.chunks
+        if (
+            self.graphs is not None
+            and not spans
+            and not any(c.is_prefill or c.num_draft_tokens for c in plan.chunks)
         ):
             ctx_lens = [c.start + 1 for c in plan.chunks]
             if self.graphs.fits(len(ctx_lens), max(ctx_lens)):
@@ -273,7 +282,22 @@ class ModelRunner:
             input_ids=input_ids,
             prompt_rows=wanted,
         )
+        if spans:
+            metadata.adapters = self._step_adapters(spans, seqs)
         return PreparedStep(metadata, graph_ctx, hidden_ids)
+
+    def _step_adapters(
+        self, spans: list[tuple[str, int, int]], seqs: Mapping[str, Sequence]
+    ) -> StepAdapters | None:
+        """The step's adapter rows, each adapter made resident (read again if it was evicted;
+        no adapter a live sequence runs under is evicted for it)."""
+        if self.adapters is None:
+            raise ValueError("a sequence names a LoRA adapter, but this engine serves none")
+        in_use = {seq.adapter for seq in seqs.values() if seq.adapter is not None}
+        resident = [
+            (self.adapters.resident(name, in_use), first, count) for name, first, count in spans
+        ]
+        return StepAdapters.build(resident, self.device)
 
     def forward(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over the prepared chunks: float32 logits [S, vocab], one row per chunk that

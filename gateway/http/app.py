@@ -5,7 +5,8 @@ Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}:
 gateway.http.responses_routes), the
 Batch API (/v1/files, /v1/batches: gateway.batch.routes; its runner task starts and stops with
 the app), POST /v1/embeddings (gateway.http.embedding_routes), POST /tokenize, POST /detokenize
-and GET /tokenizer_info (gateway.http.tokenize_routes),
+and GET /tokenizer_info (gateway.http.tokenize_routes), POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (gateway.http.lora_routes: with --enable-lora-runtime-updates only),
 GET /ui and /ui/events (gateway.http.live_view), GET /v1/models, GET /health (process up, always
 200), GET /ready (Redis answers and a worker heartbeat is fresh, else 503), GET
 /metrics (on the main port, behind auth when keys are configured; or alone on --metrics-port).
@@ -32,12 +33,14 @@ from gateway.http.auth import auth_middleware
 from gateway.http.completion_routes import chat_completions, completions
 from gateway.http.embedding_routes import add_routes as add_embedding_routes
 from gateway.http.live_view import setup_live_view
+from gateway.http.lora_routes import add_routes as add_lora_routes
 from gateway.http.middleware import body_limit, errors_and_metrics
 from gateway.http.ratelimit import RATE_LIMITER, RateLimiter, rate_limit_middleware
 from gateway.http.request_span import request_span_middleware
 from gateway.http.responses_routes import add_routes as add_responses_routes
 from gateway.http.tokenize_routes import add_routes as add_tokenize_routes
 from gateway.serving.gateway_state import Gateway
+from gateway.serving.served_models import served_adapters
 from protocol import HEARTBEAT_TTL_S, NOOP_MODEL
 
 BATCH_RUNNER: web.AppKey[BatchRunner] = web.AppKey("batch_runner", BatchRunner)
@@ -88,11 +91,27 @@ async def list_models(request: web.Request) -> web.Response:
             "owned_by": "jitney-noop (load testing only, no model)"
             if m.name == NOOP_MODEL
             else "jitney",
+            "root": m.name,
+            "parent": None,
             "max_model_len": m.card.max_model_len,
             # What a request that leaves these fields out gets (empty: the API's defaults).
             "sampling_defaults": m.sampling_defaults.to_dict(),
         }
         for m in models
+    ]
+    # Each LoRA adapter as a model of its own, its base as `parent` (vLLM's shape).
+    data += [
+        {
+            "id": a.served_name,
+            "object": "model",
+            "created": int(a.card.created),
+            "owned_by": "jitney",
+            "root": a.root,
+            "parent": a.name,
+            "max_model_len": a.card.max_model_len,
+            "sampling_defaults": a.sampling_defaults.to_dict(),
+        }
+        for a in served_adapters(models)
     ]
     return web.json_response({"object": "list", "data": data})
 
@@ -146,6 +165,7 @@ def make_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Appli
     add_responses_routes(app)  # POST /v1/responses; GET, DELETE /v1/responses/{id}
     add_embedding_routes(app)  # POST /v1/embeddings
     add_tokenize_routes(app)  # POST /tokenize, /detokenize; GET /tokenizer_info
+    add_lora_routes(app)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin keys)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -36,6 +36,7 @@ class Client:
     limits: RateLimits
     priority: int = 0  # its requests' priority when they name none
     weight: int | None = None  # its fair-share weight (ApiKey.weight)
+    admin: bool = False  # its key has role=admin (ApiKey.admin)
 
 
 CLIENT: web.RequestKey[Client] = web.RequestKey("jitney_client", Client)
@@ -97,7 +98,7 @@ def auth_middleware(config: GatewayConfig, metrics: GatewayMetrics) -> Middlewar
                 metrics.auth_failures.labels(reason).inc()
                 raise unauthorized(missing=token is None)
             request[CLIENT] = Client(
-                key.key_id, key.key_id, limits[key.key_id], key.priority, key.weight
+                key.key_id, key.key_id, limits[key.key_id], key.priority, key.weight, key.admin
             )
         return await handler(request)
 

@@ -73,7 +73,7 @@ async def _create(request: web.Request, gw: Gateway) -> web.StreamResponse:
         job = await prepare_parsed(gw, "chat", chat_request(parsed, body, history))
     except ApiError as e:
         raise responses_error(e) from None
-    shell = ResponseShell(new_id("resp"), job.model.name, echo(parsed, job.parsed))
+    shell = ResponseShell(new_id("resp"), job.model.served_name, echo(parsed, job.parsed))
     reply = ResponseReply(
         ResponseBuilder(shell), conversation, store if parsed.store else None, owner
     )

@@ -117,7 +117,7 @@ class BacklogMonitor:
         """Enqueue as `enqueue` does, on the worker whose prefix cache holds the most of the
         prompt when placement is on and finds one: (the stream it went to, entry id)."""
         if self.placement is not None:
-            worker = await self.placement.target(queue, message.prompt_token_ids)
+            worker = await self.placement.target(queue, message.prompt_token_ids, message.lora)
             if worker is not None:
                 fields = encode_entry(message, cost)
                 tokens = len(message.prompt_token_ids)

@@ -127,6 +127,7 @@ async def run(
             key_id,
             embed=True,
             trace_context=tracing.carrier(),  # the request's span (None: tracing off)
+            lora=job.model.adapter,
         )
         flight.request_stream = stream
         flight.entry_id = await backlog.enqueue(message, queued.queue, len(ids) + 1)
@@ -138,13 +139,13 @@ async def run(
             embedding_item(i, _vector(finals[f.request_id], job.parsed), job.parsed.encoding_format)
             for i, f in enumerate(flights)
         ]
-        return request_id, embedding_body(job.model.name, items, job.num_prompt_tokens)
+        return request_id, embedding_body(job.model.served_name, items, job.num_prompt_tokens)
     finally:
         # An input failed, client gone, timeout: stop the rest.
         queued.close(lambda i: None if flights[i].request_id in finals else "client_gone")
         if queued.sent:  # what the key used (tenants' shares, billing)
             used = sum(len(ids) for ids in job.inputs[: queued.sent])
-            gw.metrics.key_tokens.labels(key_id or "-", job.model.name, "prompt").inc(used)
+            gw.metrics.key_tokens.labels(key_id or "-", job.model.served_name, "prompt").inc(used)
 
 
 async def _collect(

@@ -96,12 +96,15 @@ class Placement:
         self._fleet_at = -float("inf")
         self._fetching = SharedFetch(self._read_fleet)
 
-    async def target(self, queue: Queue, prompt_ids: Sequence[int]) -> str | None:
-        """The worker to place a prompt on (None: the shared stream); counts the outcome."""
+    async def target(
+        self, queue: Queue, prompt_ids: Sequence[int], adapter: str | None = None
+    ) -> str | None:
+        """The worker to place a prompt on (None: the shared stream); counts the outcome.
+        `adapter`: the LoRA adapter it runs under, part of its blocks' hashes as on the worker."""
         fleet = await self.fleet()
         outcome, worker = "no_hit", None
         if len(fleet.workers) >= 2 and len(prompt_ids) >= fleet.block_size * MIN_GAIN_BLOCKS:
-            blocks = prompt_block_hashes(prompt_ids, fleet.block_size, MAX_LOOKUP_BLOCKS)
+            blocks = prompt_block_hashes(prompt_ids, fleet.block_size, MAX_LOOKUP_BLOCKS, adapter)
             hashes = [summary_hash(h) for h in blocks]
             call = lookup_call(self.keys, self.model, queue, fleet.workers, hashes)
             reply = await self._lookup(keys=call.keys, args=call.args)

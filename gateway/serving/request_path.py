@@ -87,7 +87,7 @@ async def prepare_parsed(gw: Gateway, kind: Kind, parsed: GenerationRequest) -> 
     """Steps 2-3 for a request parsed already (the Responses API's, made into a chat)."""
     _check_num_prompts(gw, parsed)
     model = await gw.registry.resolve(parsed.model)
-    tracing.annotate(**{tracing.MODEL: model.name})
+    tracing.annotate(**{tracing.MODEL: model.served_name})
     with tracing.span("jitney.tokenize") as span:
         prompts = await _prompts(gw, model, parsed)
         tracing.set_attributes(span, prompts=len(prompts), prompt_tokens=sum(map(len, prompts)))
@@ -141,7 +141,7 @@ async def submit(
     backlog = gw.backlog(job.model.name)
     await backlog.admit(job.num_prompt_tokens)  # from here to register(): no await (atomic)
 
-    responder = Responder(job.kind, job.model.name, parsed.include_usage, id=request_id)
+    responder = Responder(job.kind, job.model.served_name, parsed.include_usage, id=request_id)
     queued = QueueEntries.register(
         gw, backlog, responder.request_id, job.prompts, priority, key_id, weight
     )
@@ -174,12 +174,10 @@ async def submit(
     finally:
         queued.close(cancel_reason)
         if queued.sent:  # what the key used, finished or not (tenants' shares, billing)
-            used = relay.usage()
+            used, model = relay.usage(), job.model.served_name  # an adapter's usage is its own
             tokens = gw.metrics.key_tokens
-            tokens.labels(key_id or "-", job.model.name, "prompt").inc(used["prompt_tokens"])
-            tokens.labels(key_id or "-", job.model.name, "completion").inc(
-                used["completion_tokens"]
-            )
+            tokens.labels(key_id or "-", model, "prompt").inc(used["prompt_tokens"])
+            tokens.labels(key_id or "-", model, "completion").inc(used["completion_tokens"])
 
 
 def _message(
@@ -204,6 +202,7 @@ def _message(
         priority=priority,
         key_id=key_id,
         trace_context=tracing.carrier(),  # the enqueue span's: the worker's spans continue it
+        lora=job.model.adapter,
     )
 
 

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -35,6 +35,7 @@ from gateway.serving.tasks import cancel_and_wait
 from generation import grammar as grammars
 from generation.reasoning import ReasoningFormat, ReasoningStream, content_grammar
 from protocol import HEARTBEAT_TTL_S, Keys, ModelCard
+from protocol.lora_registry import read_registry
 from protocol.messages import MESSAGE_FIELD
 from protocol.model_card import tokenizer_from_card
 from protocol.sampling_defaults import SamplingDefaults
@@ -61,10 +62,38 @@ class ServedModel:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # How its chat outputs split into reasoning and content (--reasoning-parser); None: not.
     reasoning: ReasoningFormat | None = None
+    # The LoRA adapter a request named as its `model` (None: the model itself). A request under
+    # an adapter is this model's in every other way: its queue, tokenizer, limits and defaults.
+    adapter: str | None = None
+    # The fleet's adapters loaded at runtime for this model (protocol/lora_registry.py): name ->
+    # path, as the registry's last reading found them.
+    runtime_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
+        """The base model's name: its queue's, and what its workers check."""
         return self.card.name
+
+    @property
+    def served_name(self) -> str:
+        """What the request named, and what its response says: the adapter, else the model."""
+        return self.adapter or self.card.name
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """Every adapter served on this model: its workers' own, then the runtime ones."""
+        return [*self.card.adapters, *self.runtime_adapters]
+
+    @property
+    def root(self) -> str:
+        """What /v1/models says it was made from (vLLM's `root`): a runtime adapter's path, else
+        the adapter's or the model's name."""
+        return self.runtime_adapters.get(self.adapter or "", self.served_name)
+
+    def under(self, adapter: str) -> ServedModel:
+        """This model as a request naming `adapter` gets it (a shallow copy: the same
+        tokenizers, so the tokenizer-thread rule holds for it as for the original)."""
+        return replace(self, adapter=adapter)
 
     @property
     def vocab_size(self) -> int:
@@ -155,6 +184,31 @@ class ServedModel:
         return self.decoder.decode(tail, skip_special_tokens=False)
 
 
+def _find(models: Sequence[ServedModel], name: str) -> ServedModel | None:
+    """The model called `name`, else the model serving an adapter of that name (a model's own
+    name wins over an adapter's)."""
+    for model in models:
+        if model.name == name:
+            return model
+    for model in models:
+        if name in model.adapter_names:
+            return model.under(name)
+    return None
+
+
+def served_adapters(models: Sequence[ServedModel]) -> list[ServedModel]:
+    """Every LoRA adapter `models` serve, each under its base model (by name; an adapter named
+    as a model, or as an earlier model's adapter, is that one)."""
+    taken = {m.name for m in models}
+    found: list[ServedModel] = []
+    for model in models:
+        for adapter in model.adapter_names:
+            if adapter not in taken:
+                taken.add(adapter)
+                found.append(model.under(adapter))
+    return sorted(found, key=lambda a: a.served_name)
+
+
 class ModelRegistry:
     """Liveness (one ZCOUNT per model, pipelined) is re-read at most every `live_s` on the
     request path; the card scan (the `{p}:models` set, then each card's hash) runs in the
@@ -222,9 +276,10 @@ class ModelRegistry:
         return sorted(self._models.values(), key=lambda m: m.name)
 
     async def resolve(self, name: str | None) -> ServedModel:
-        """The model a request names; `None` means the only one served."""
+        """The model a request names (a LoRA adapter: its base model, `under` it); `None`
+        means the only one served."""
         models = await self.live_models()
-        if not any(name in (None, m.name) for m in models):
+        if (name is None and not models) or (name is not None and _find(models, name) is None):
             models = await self.live_models(miss=True)
         if name is None:
             if len(models) == 1:
@@ -238,10 +293,10 @@ class ModelRegistry:
                     headers={"Retry-After": "1"},
                 )
             raise bad_request("'model' is required: several models are served.", param="model")
-        for model in models:
-            if model.name == name:
-                return model
-        raise model_not_found(name)
+        found = _find(models, name)
+        if found is None:
+            raise model_not_found(name)
+        return found
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """Run a tokenizer call on the tokenizer thread."""
@@ -281,7 +336,22 @@ class ModelRegistry:
             cached = self._models.get(name)
             if cached is None or time.monotonic() - cached.read_at > self.card_refresh_s:
                 await self._load(name, cached)
+        await self._read_runtime_adapters()
         self._scanned_at = time.monotonic()
+
+    async def _read_runtime_adapters(self) -> None:
+        """Each model's runtime LoRA adapters (one pipelined HGETALL per model)."""
+        models = list(self._models.values())
+        pipe = self.redis.pipeline(transaction=False)
+        for model in models:
+            pipe.hgetall(self.keys.lora_adapters(model.name))
+        readings = await pipe.execute() if models else []
+        for model, fields in zip(models, readings, strict=True):
+            model.runtime_adapters = {n: a.path for n, a in read_registry(fields).items()}
+
+    def rescan_soon(self) -> None:
+        """The next request re-reads the cards and adapters (this gateway changed them)."""
+        self._scanned_at = -float("inf")
 
     async def _load(self, name: str, cached: ServedModel | None) -> None:
         fields = await self.redis.hgetall(self.keys.model(name))
@@ -292,6 +362,10 @@ class ModelRegistry:
             return
         try:
             card = ModelCard.decode(fields)
+            if not isinstance(card.adapters, list) or not all(
+                isinstance(a, str) for a in card.adapters
+            ):
+                raise ValueError("the card's adapters are not a list of names")
             defaults = SamplingDefaults.from_dict(card.sampling_defaults)
             tokenizer = await self.run(tokenizer_from_card, card)
             decoder = await self.run(Tokenizer.from_str, card.tokenizer_json)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from jitney.commands.lora_args import add_lora_arguments, lora_fields
 from jitney.flag_defaults import field_defaults
 from scheduler import POLICIES
 
@@ -303,6 +304,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="/v1/embeddings: the last token's final hidden state (vLLM's default for decoder "
         "models: in a causal model only it has seen the whole input) or the mean over the input",
     )
+    add_lora_arguments(g, engine)
 
 
 def thread_count(text: str) -> int:
@@ -355,6 +357,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         noop_step_ms=args.noop_step_ms,
         pooling=args.pooling,
         chat_template=_chat_template(args.chat_template),
+        **lora_fields(args),
     )
     if args.speculative_config is not None:
         fields.update(_speculative_config_fields(args))
@@ -397,7 +400,9 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings or value is None or value == action.default:
             continue
         flag = action.option_strings[0]
-        if action.nargs != 0:
+        if isinstance(value, list):  # nargs="+": every item, as the flag reads it (str)
+            argv += [flag, *map(str, value)]
+        elif action.nargs != 0:
             argv += [flag, str(value)]
         elif value:
             argv.append(flag)

@@ -180,6 +180,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="split reasoning models' output into reasoning_content and content: deepseek_r1, "
         "qwen3 or granite, for every model, or per model as MODEL=NAME (comma-separated)",
     )
+    p.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) to API keys "
+        "with role=admin in the keys file (without keys they stay off); needs --lora-root",
+    )
+    p.add_argument(
+        "--lora-root",
+        default=config["lora_root"],
+        metavar="DIR",
+        help="the directory every adapter loaded at runtime must lie under (symlinks resolved)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -230,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
             responses_max_bytes=args.responses_max_bytes,
             prefix_placement=args.prefix_placement,
             reasoning_parsers=parse_reasoning_parsers(args.reasoning_parser),
+            enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+            lora_root=args.lora_root,
         )
     except (OSError, ValueError) as e:  # key errors name the entry, never the key
         log.error("invalid gateway configuration: %s", e)
@@ -243,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         log.info("auth off: no API keys configured (--api-keys / --api-keys-file)")
+    if config.enable_lora_runtime_updates and not any(k.admin for k in api_keys):
+        log.warning("LoRA runtime updates: no API key has role=admin, so nobody may use them")
     if config.rate_limits.enabled:
         limits = config.rate_limits
         log.info(

@@ -7,7 +7,9 @@ it reads the private Redis of the `jitney up` running on this machine, found thr
 that `up` leaves while it runs (jitney/commands/local_stack.py), else the default Redis.
 
 Each seat is one character: its colour is the phase, its height the tokens done of max_tokens
-(without colour, a letter per phase). `q` or Ctrl-C quits; `--once` prints one frame and exits.
+(without colour, a letter per phase); a seat under a LoRA adapter is underlined (without colour,
+its letter in lower case), and the line ends with the adapters its seats run under. `q` or
+Ctrl-C quits; `--once` prints one frame and exits.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ BARS = "▁▂▃▄▅▆▇█"
 FREE = "·"
 COLORS = {"prefill": 214, "decode": 35, "preempted": 196, "waiting": 245, "finished": 141}
 LETTERS = {"prefill": "P", "decode": "D", "preempted": "X", "waiting": "W", "finished": "F"}
-RESET, DIM = "\x1b[0m", "\x1b[2m"
+RESET, DIM, UNDERLINE = "\x1b[0m", "\x1b[2m", "\x1b[4m"
 # What bounded the last step (scheduler.plan.StepLimit), short enough to leave room for seats.
 LIMITS = {
     "none": "-",
@@ -178,6 +180,7 @@ def _worker_line(s: BatchSnapshot, name_width: int, width: int, color: bool) -> 
         cells += ["|", *(_seat(seat, color) for seat in queued)]
     more = s.waiting - len(queued)
     tail = f" +{more}" if more > 0 else ""
+    tail += _adapters(s.seats)
     room = max(0, width - len(info) - len(tail) - 1)
     if len(cells) > room:  # one visible character per cell: clip to the terminal, say so
         cells = [*cells[: max(0, room - 1)], "…"]
@@ -186,15 +189,29 @@ def _worker_line(s: BatchSnapshot, name_width: int, width: int, color: bool) -> 
 
 def _seat(seat: Seat, color: bool) -> str:
     if not color:
-        return LETTERS.get(seat.phase, "?")
+        letter = LETTERS.get(seat.phase, "?")
+        return letter.lower() if seat.adapter else letter
     share = seat.done / seat.max_tokens if seat.max_tokens else 0.0
     bar = BARS[min(len(BARS) - 1, int(share * len(BARS)))]
-    return f"\x1b[38;5;{COLORS.get(seat.phase, 15)}m{bar}{RESET}"
+    under = UNDERLINE if seat.adapter else ""
+    return f"{under}\x1b[38;5;{COLORS.get(seat.phase, 15)}m{bar}{RESET}"
+
+
+def _adapters(seats: list[Seat]) -> str:
+    """The LoRA adapters the seats run under, with how many seats each ("" when none)."""
+    counts: dict[str, int] = {}
+    for seat in seats:
+        if seat.adapter:
+            counts[seat.adapter] = counts.get(seat.adapter, 0) + 1
+    return " lora " + " ".join(f"{a}×{n}" for a, n in sorted(counts.items())) if counts else ""
 
 
 def _legend(color: bool) -> str:
     if not color:
         keys = " ".join(f"{letter} {phase}" for phase, letter in LETTERS.items())
-        return f"seats: {keys}, {FREE} free, | queue"
+        return f"seats: {keys} (lower case: under a LoRA adapter), {FREE} free, | queue"
     keys = " ".join(f"\x1b[38;5;{COLORS[p]}m█{RESET} {p}" for p in COLORS)
-    return f"seats: {keys}, {FREE} free, | queue; height: tokens done / max_tokens"
+    return (
+        f"seats: {keys}, {FREE} free, | queue; height: tokens done / max_tokens; "
+        "underlined: under a LoRA adapter"
+    )

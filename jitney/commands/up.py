@@ -25,6 +25,7 @@ from engine.threads import ThreadChoice, resolve_threads
 from gateway.config import GatewayConfig
 from jitney.commands.engine_args import add_engine_arguments, engine_args_to_argv
 from jitney.commands.local_stack import LocalStack, published
+from jitney.commands.lora_args import lora_fields
 from jitney.commands.worker import (
     METRICS_PORT,
     add_generation_config_arguments,
@@ -177,6 +178,7 @@ def worker_threads(choice: ThreadChoice, workers: int) -> ThreadChoice:
 def _run(args: argparse.Namespace) -> int:
     try:  # before anything starts: a bad OMP_NUM_THREADS is refused here, not by each worker
         threads = worker_threads(resolve_threads(args.threads), args.workers)
+        lora_fields(args)  # an adapter named twice: refused once, not by each worker in a loop
     except ValueError as e:
         print(f"up: {e}", file=sys.stderr)
         return 2

@@ -202,7 +202,15 @@ def run(args: argparse.Namespace) -> int:
         served, loaded.tokenizer, engine.max_model_len, list(engine.eos_token_ids), defaults
     )
     card.embedding_size = engine.embedding_size  # /v1/embeddings checks `dimensions` by it
+    card.adapters = list(engine.adapter_names)  # a request naming one runs on this model's queue
+    if served in card.adapters:  # a request naming it would get the base model: say so now
+        logger.error(
+            "cannot_start %s", kv(error=f"a LoRA adapter is named {served!r}, as the model")
+        )
+        return 2
     metrics = WorkerMetrics(served, worker_id)
+    if card.adapters:
+        metrics.lora.enable(engine_config.max_loras)
     view = engine.view
     metrics.describe_engine(view.forward_name, view.kv_cache_dtype, view.block_size)
     port = metrics.serve(metrics_server, vllm_names=args.vllm_metrics)

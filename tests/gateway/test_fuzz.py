@@ -393,3 +393,58 @@ def test_fuzzed_response_ids_are_404s(live: Live) -> None:
         send()
     finally:
         conn.close()
+
+
+# --- the LoRA runtime routes (their own gateway: admin key, flag, a root) -----------------------
+
+ADMIN_KEY = "admin-key-7f3a"
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+lora_path = st.one_of(
+    st.sampled_from(["sql", "sql/", "../", "/etc", "sql/../..", "escape", "/"]),
+    unicode,
+    random_json,
+)
+lora_body = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "lora_name": st.sampled_from(["sql", "a b", "x=y", ""]) | unicode | random_json,
+            "lora_path": lora_path,
+            "base_model_name": st.sampled_from(["tiny"]) | marked | random_json,
+            "lora_int_id": st.integers() | marked,
+            SECRET: random_json,
+        },
+    ).map(lambda d: json.dumps(d).encode()),
+    random_json.map(lambda d: json.dumps(d).encode()),
+    st.binary(max_size=200),
+)
+
+
+def test_fuzzed_lora_adapter_bodies_never_crash(live: Live, tmp_path_factory) -> None:
+    """400 examples on /v1/load_lora_adapter and /v1/unload_lora_adapter with the admin key:
+    no 5xx, every error an OpenAI body quoting nothing, the gateway still up."""
+    root = tmp_path_factory.mktemp("lora-root")
+    (root / "sql").mkdir()
+    (root / "escape").symlink_to("/etc")
+    flags = ("--api-keys", f"ops:{ADMIN_KEY} role=admin", "--enable-lora-runtime-updates")
+    gateway = start_gateway(live.server, *flags, "--lora-root", str(root), name="lora-gateway")
+    conn = HTTPConnection("127.0.0.1", gateway.port, timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None)
+    @given(route=st.sampled_from(LORA_ROUTES), body=lora_body)
+    def send(route: str, body: bytes) -> None:
+        conn.request("POST", route, body=body, headers=headers)
+        response = conn.getresponse()
+        raw = response.read().decode(errors="replace")
+        assert response.status < 500, (response.status, raw[:300], body[:300])
+        if response.status != 200:
+            assert SECRET not in raw, raw[:300]
+            assert_openai_error(json.loads(raw))
+
+    try:
+        send()
+        assert gateway.proc.alive(), gateway.proc.output()[-3000:]
+    finally:
+        conn.close()
+        gateway.proc.stop()

@@ -41,3 +41,14 @@ def test_a_narrow_terminal_clips_the_seats_and_says_so():
 def test_an_error_frame_says_what_is_wrong():
     lines = render({"time": time.time(), "error": "redis unavailable", "workers": []}, 100, False)
     assert "redis unavailable" in lines[0] and "no live workers" in lines
+
+
+def test_a_seat_under_an_adapter_is_marked_and_the_line_names_the_adapters():
+    data = frame(3)
+    snap = BatchSnapshot.from_dict(data["workers"][0])  # type: ignore[index]
+    snap.seats[0].adapter = snap.seats[2].adapter = "sql"
+    data["workers"] = [snap.to_dict()]
+    (row,) = [line for line in render(data, 200, color=False) if line.startswith("w1 ")]
+    assert row.endswith("dPd····· +7 lora sql×2")
+    (row,) = [line for line in render(data, 200, color=True) if line.startswith("w1 ")]
+    assert row.count("\x1b[4m") == 2

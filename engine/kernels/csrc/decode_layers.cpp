@@ -18,6 +18,9 @@
 // rope_tables naming each layer's (R: the rotated width, 0 for a layer without RoPE);
 // out_norms, none or per layer the norms of the attention's and the MLP's outputs (Gemma);
 // scale, the attention scores'; activation, the MLP's gate (0 SiLU, 1 GELU-tanh).
+// LoRA (engine/lora/): lora_rows, per adapter group its rows of the step; lora, per group, layer
+// and matrix kLoraTensors (A, then each part's B; an empty A: no update); lora_ints, per group,
+// layer and matrix kLoraInts (parts, then each part's column start and rank start).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +42,25 @@ constexpr int64_t kMaxParts = 3;  // Q, K, V
 constexpr int64_t kTensorsPerMatrix = 1 + kMaxParts;
 constexpr int64_t kIntsPerMatrix = 2 + 2 * kMaxParts;
 constexpr int64_t kTensorsPerLayer = kVectors + kMatrices * kTensorsPerMatrix;
+constexpr int64_t kLoraTensors = 1 + kMaxParts;
+constexpr int64_t kLoraInts = 1 + 2 * kMaxParts;
+
+// A step's LoRA updates: each group's rows and its tensors and ints per layer and matrix.
+struct Lora {
+  at::TensorList rows, tensors;
+  at::IntArrayRef ints;
+  int64_t layers;
+
+  void add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t matrix) const {
+    for (size_t g = 0; g < rows.size(); ++g) {
+      const int64_t i = (static_cast<int64_t>(g) * layers + layer) * kMatrices + matrix;
+      const at::Tensor* t = tensors.data() + i * kLoraTensors;
+      if (t[0].numel() == 0) continue;
+      const int64_t* m = ints.data() + i * kLoraInts;
+      lora_add_(y, x, rows[g], t[0], at::TensorList(t + 1, m[0]), at::IntArrayRef(m + 1, 2 * m[0]));
+    }
+  }
+};
 
 at::Tensor linear(const at::Tensor& h, const at::Tensor* t, const int64_t* m) {
   const int64_t parts = m[0];
@@ -57,7 +79,8 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
                           at::Tensor& kv, const at::Tensor& block_tables, const at::Tensor& ctx_lens,
                           int64_t num_heads, int64_t num_kv_heads, double eps,
                           at::IntArrayRef windows, at::IntArrayRef rope_tables,
-                          at::TensorList out_norms, double scale, int64_t activation) {
+                          at::TensorList out_norms, double scale, int64_t activation,
+                          at::TensorList lora_rows, at::TensorList lora, at::IntArrayRef lora_ints) {
   const char* op = "llama_decode_layers_";
   const int64_t L = static_cast<int64_t>(windows.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == L * kTensorsPerLayer, op, ": ",
@@ -81,6 +104,12 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
               ": out_norms must be empty or two per layer, got ", out_norms.size());
   TORCH_CHECK(activation == 0 || activation == 1, op, ": activation ", activation,
               " is neither 0 (SiLU) nor 1 (GELU-tanh)");
+  const int64_t G = static_cast<int64_t>(lora_rows.size());
+  TORCH_CHECK(static_cast<int64_t>(lora.size()) == G * L * kMatrices * kLoraTensors &&
+                  static_cast<int64_t>(lora_ints.size()) == G * L * kMatrices * kLoraInts,
+              op, ": LoRA tensors and ints must be ", kLoraTensors, " and ", kLoraInts,
+              " per group, layer and matrix");
+  const Lora adapters{lora_rows, lora, lora_ints, L};
   const int64_t T = x.size(0), H = num_heads, D = kv.size(5);
   const int64_t num_slots = kv.size(2) * kv.size(3);
   at::Tensor h = rms_norm(x, tensors[0], eps);
@@ -91,7 +120,8 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
     at::Tensor key_cache = kv.select(0, l).select(0, 0), value_cache = kv.select(0, l).select(0, 1);
     at::Tensor key_slots = key_cache.view({num_slots, num_kv_heads, D});
     at::Tensor value_slots = value_cache.view({num_slots, num_kv_heads, D});
-    const at::Tensor qkv = linear(h, w, m);
+    at::Tensor qkv = linear(h, w, m);
+    adapters.add(qkv, h, l, 0);
     const int64_t table = rope_tables[l];
     const at::Tensor qk = rope_write_kv_(qkv, cos[table], sin[table], slots, key_slots,
                                          value_slots, H, num_kv_heads, present(t[2]),
@@ -99,12 +129,16 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
     at::Tensor attn = at::empty({T, H, D}, x.options());
     paged_decode_(qk.narrow(1, 0, H), key_cache, value_cache, block_tables, ctx_lens, scale,
                   windows[l], attn);
-    at::Tensor o = linear(attn.view({T, H * D}), w + kTensorsPerMatrix, m + kIntsPerMatrix);
+    const at::Tensor attn_rows = attn.view({T, H * D});
+    at::Tensor o = linear(attn_rows, w + kTensorsPerMatrix, m + kIntsPerMatrix);
+    adapters.add(o, attn_rows, l, 1);
     if (!out_norms.empty()) o = rms_norm(o, out_norms[2 * l], eps);
     h = add_rms_norm_(x, o, t[1], eps);
-    const at::Tensor gu = linear(h, w + 2 * kTensorsPerMatrix, m + 2 * kIntsPerMatrix);
+    at::Tensor gu = linear(h, w + 2 * kTensorsPerMatrix, m + 2 * kIntsPerMatrix);
+    adapters.add(gu, h, l, 2);
     const at::Tensor act = activation == 0 ? silu_mul(gu) : gelu_tanh_mul(gu);
     at::Tensor r = linear(act, w + 3 * kTensorsPerMatrix, m + 3 * kIntsPerMatrix);
+    adapters.add(r, act, l, 3);
     if (!out_norms.empty()) r = rms_norm(r, out_norms[2 * l + 1], eps);
     if (l + 1 < L) {
       h = add_rms_norm_(x, r, tensors[(l + 1) * kTensorsPerLayer], eps);

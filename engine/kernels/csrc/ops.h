@@ -28,4 +28,8 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
                    int64_t window, at::Tensor& out);
 
+// lora_add.cpp: one adapter's low-rank update of a projection, added to its rows of y.
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
+               at::TensorList b, at::IntArrayRef starts);
+
 }  // namespace jitney_kernels

@@ -1,0 +1,281 @@
+"""The LoRA adapters an engine serves: their names and paths, and the ones resident in memory
+(at most `max_loras`; the least recently used one that no running request uses makes room).
+
+A resident adapter is laid out for the forward's fused projections (`FusedUpdate`: QKV, o,
+gate/up, down): the A matrices of a projection's parts stacked, so one product gives every
+part's low-rank activations, and each part's B adding into its own columns of the fused
+output. What it costs is its own weights, never a copy of the base model's: the base projection
+stays as it is stored. The exact (dense) forward keeps them in its dtype and adds them with
+torch ops; the quantized forward keeps them in float16 (a decode step reads every one of them
+beside the base's 4-bit blocks: half the bytes of float32) and adds them with jitney::lora_add_,
+also inside the one-call decode op (`ResidentAdapter.decode_tensors`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import AdapterLoadError, UnknownAdapterError
+from engine.lora.adapter_files import AdapterFile, read_adapter
+
+FUSED = ("qkv", "o", "gate_up", "down")  # llama_decode_layers_'s matrices, in its order
+MAX_PARTS = 3  # Q, K, V (kernels/reference.py LORA_MATRIX_TENSORS)
+
+
+@dataclass(frozen=True, slots=True)
+class PartUpdate:
+    """One part's B, adding into columns [start, start + b.shape[0]) of the fused output from
+    low-rank activations [rank_start, rank_start + b.shape[1])."""
+
+    start: int
+    rank_start: int
+    b: torch.Tensor  # [out, r]; for jitney::lora_add_ (FusedUpdate.kernel) transposed, [r, out]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedUpdate:
+    """One fused projection's low-rank update: t = x @ a.T, then each part's t-slice @ b.T."""
+
+    a: torch.Tensor  # [R, in]: the parts' A stacked
+    parts: tuple[PartUpdate, ...]
+    kernel: bool  # float16, added by jitney::lora_add_ (else torch ops in the model's dtype)
+
+    @property
+    def starts(self) -> list[int]:
+        return [s for p in self.parts for s in (p.start, p.rank_start)]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, rows: slice, index: torch.Tensor) -> None:
+        """y[rows] += this update of x[rows], in place (`index`: the same rows as a tensor)."""
+        if self.kernel:
+            torch.ops.jitney.lora_add_(y, x, index, self.a, [p.b for p in self.parts], self.starts)
+            return
+        if rows.stop - rows.start != index.numel():  # scattered rows: gathered, added back
+            part = torch.zeros(index.numel(), y.shape[1], dtype=y.dtype, device=y.device)
+            self._add_dense(part, x[index])
+            y.index_add_(0, index, part)
+        else:
+            self._add_dense(y[rows], x[rows])
+
+    def _add_dense(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        t = x @ self.a.T
+        for p in self.parts:
+            r = p.b.shape[1]
+            cols = y[:, p.start : p.start + p.b.shape[0]]
+            cols.addmm_(t[:, p.rank_start : p.rank_start + r], p.b.T)
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectionSite:
+    """Where a PEFT module's output lies in the forward: its fused projection, the columns,
+    and the input width."""
+
+    fused: str
+    start: int
+    out: int
+    inp: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoraTargets:
+    """The base model's projections as an adapter must match them."""
+
+    num_layers: int
+    sites: dict[str, ProjectionSite]  # PEFT module name -> site
+    dtype: torch.dtype
+    device: torch.device
+    kernel: bool = False  # the quantized forward's: float16 for jitney::lora_add_
+
+    @classmethod
+    def llama(
+        cls,
+        num_layers: int,
+        hidden: int,
+        q_out: int,
+        kv_out: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: bool = False,
+    ) -> LoraTargets:
+        """The Llama layer's projections (and Phi-3's stored fused ones)."""
+        qkv = q_out + 2 * kv_out
+        sites = {
+            "q_proj": ProjectionSite("qkv", 0, q_out, hidden),
+            "k_proj": ProjectionSite("qkv", q_out, kv_out, hidden),
+            "v_proj": ProjectionSite("qkv", q_out + kv_out, kv_out, hidden),
+            "qkv_proj": ProjectionSite("qkv", 0, qkv, hidden),
+            "o_proj": ProjectionSite("o", 0, hidden, q_out),
+            "gate_proj": ProjectionSite("gate_up", 0, intermediate, hidden),
+            "up_proj": ProjectionSite("gate_up", intermediate, intermediate, hidden),
+            "gate_up_proj": ProjectionSite("gate_up", 0, 2 * intermediate, hidden),
+            "down_proj": ProjectionSite("down", 0, hidden, intermediate),
+        }
+        storage = torch.float16 if kernel else dtype
+        return cls(num_layers, sites, storage, device, kernel)
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentAdapter:
+    """An adapter in memory: per layer, its update of each fused projection it touches."""
+
+    name: str
+    path: str
+    rank: int
+    layers: tuple[dict[str, FusedUpdate], ...]
+    nbytes: int
+    # llama_decode_layers_'s lora and lora_ints for this adapter (the quantized forward's).
+    decode_tensors: tuple[torch.Tensor, ...] = ()
+    decode_ints: tuple[int, ...] = ()
+
+
+def lay_out(name: str, file: AdapterFile, targets: LoraTargets, max_rank: int) -> ResidentAdapter:
+    """`file`'s pairs checked against the base model and stacked per fused projection."""
+    if file.rank > max_rank:
+        raise AdapterLoadError(
+            f"LoRA adapter {name!r} has rank {file.rank}, over --max-lora-rank {max_rank}"
+        )
+    grouped: list[dict[str, list[tuple[ProjectionSite, torch.Tensor, torch.Tensor]]]] = [
+        {} for _ in range(targets.num_layers)
+    ]
+    for (layer, module), pair in sorted(file.pairs.items()):
+        site = targets.sites[module]
+        if layer >= targets.num_layers:
+            raise AdapterLoadError(
+                f"LoRA adapter {name!r} names layer {layer}; the base model has "
+                f"{targets.num_layers}"
+            )
+        if pair.a.shape[1] != site.inp or pair.b.shape[0] != site.out:
+            raise AdapterLoadError(
+                f"LoRA adapter {name!r}: layer {layer} {module} maps {pair.a.shape[1]} -> "
+                f"{pair.b.shape[0]}; the base model's maps {site.inp} -> {site.out}"
+            )
+        grouped[layer].setdefault(site.fused, []).append((site, pair.a, pair.b))
+    layers = []
+    nbytes = 0
+    for per_fused in grouped:
+        updates = {}
+        for fused, parts in per_fused.items():
+            parts.sort(key=lambda part: part[0].start)
+            a = torch.cat([pa for _, pa, _ in parts]).to(targets.device, targets.dtype)
+            placed, rank_start = [], 0
+            for site, pa, pb in parts:
+                b = pb.to(targets.device, targets.dtype)
+                b = (b.T if targets.kernel else b).contiguous()
+                placed.append(PartUpdate(site.start, rank_start, b))
+                rank_start += pa.shape[0]
+                nbytes += b.nbytes
+            nbytes += a.nbytes
+            if len(placed) > MAX_PARTS:
+                raise AdapterLoadError(f"LoRA adapter {name!r}: {fused} in overlapping parts")
+            updates[fused] = FusedUpdate(a.contiguous(), tuple(placed), targets.kernel)
+        layers.append(updates)
+    tensors, ints = _decode_layout(layers) if targets.kernel else ((), ())
+    return ResidentAdapter(name, file.path, file.rank, tuple(layers), nbytes, tensors, ints)
+
+
+def _decode_layout(
+    layers: list[dict[str, FusedUpdate]],
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """Per layer and matrix: A (empty: no update) and each part's B, padded to MAX_PARTS; the
+    part count and each part's starts, padded with zeros."""
+    empty = torch.empty(0, dtype=torch.float16)
+    tensors: list[torch.Tensor] = []
+    ints: list[int] = []
+    for updates in layers:
+        for fused in FUSED:
+            update = updates.get(fused)
+            parts = () if update is None else update.parts
+            unused = MAX_PARTS - len(parts)
+            tensors += [empty if update is None else update.a] + [p.b for p in parts]
+            tensors += [empty] * unused
+            ints += [len(parts)] + ([] if update is None else update.starts) + [0] * 2 * unused
+    return tuple(tensors), tuple(ints)
+
+
+class AdapterSet:
+    """The adapters an engine serves by name, and those resident now."""
+
+    def __init__(
+        self,
+        targets: LoraTargets | None,
+        modules: Iterable[tuple[str, str]],
+        max_loras: int,
+        max_rank: int,
+        num_heads: int = 0,
+        num_kv_heads: int = 0,
+    ):
+        """`targets` None: the forward takes no adapters (any configured one is refused)."""
+        self.targets = targets
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self._heads = (num_heads, num_kv_heads)
+        self.paths: dict[str, str] = {}
+        self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
+        for name, path in modules:
+            self.add(name, path)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.paths)
+
+    @property
+    def resident_names(self) -> list[str]:
+        return list(self._resident)
+
+    def check(self, name: str) -> None:
+        if name not in self.paths:
+            known = ", ".join(self.paths) or "none"
+            raise UnknownAdapterError(f"unknown LoRA adapter {name!r} (served: {known})")
+
+    def add(self, name: str, path: str, in_use: Collection[str] = ()) -> ResidentAdapter:
+        """Read and check an adapter now, and serve it under `name` (replacing one of that name
+        that no running request uses). Raises AdapterLoadError."""
+        if self.targets is None:
+            raise AdapterLoadError(
+                "LoRA adapters run on Jitney's forward; this model runs transformers' "
+                "(a family Jitney's forward does not cover, or --model-impl transformers)"
+            )
+        if name in in_use:
+            raise AdapterLoadError(f"LoRA adapter {name!r} is in use by running requests")
+        adapter = self._load(name, path)
+        self.paths[name] = path
+        self._resident.pop(name, None)
+        self._make_room(in_use)
+        self._resident[name] = adapter
+        return adapter
+
+    def remove(self, name: str, in_use: Collection[str] = ()) -> None:
+        self.check(name)
+        if name in in_use:
+            raise AdapterLoadError(f"LoRA adapter {name!r} is in use by running requests")
+        del self.paths[name]
+        self._resident.pop(name, None)
+
+    def resident(self, name: str, in_use: Collection[str] = ()) -> ResidentAdapter:
+        """The adapter in memory (read from its path if it was evicted), most recently used."""
+        adapter = self._resident.get(name)
+        if adapter is None:
+            self.check(name)
+            adapter = self._load(name, self.paths[name])
+            self._make_room(in_use)
+            self._resident[name] = adapter
+        self._resident.move_to_end(name)
+        return adapter
+
+    def _load(self, name: str, path: str) -> ResidentAdapter:
+        assert self.targets is not None
+        return lay_out(name, read_adapter(path, *self._heads), self.targets, self.max_rank)
+
+    def _make_room(self, in_use: Collection[str]) -> None:
+        """Evict least recently used adapters no running request uses until one more fits;
+        when every resident one is in use, the set grows past max_loras for now (a request is
+        never stalled for want of a slot) and shrinks back as they finish."""
+        while len(self._resident) >= self.max_loras:
+            idle = next((n for n in self._resident if n not in in_use), None)
+            if idle is None:
+                return
+            del self._resident[idle]

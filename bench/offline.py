@@ -71,7 +71,9 @@ class TraceRun:
         detokenize: bool = True,
         structured: StructuredRun | None = None,
         stop_at_eos: bool = False,
+        loras: Sequence[str | None] | None = None,
     ) -> None:
+        """`loras`: the LoRA adapter each request runs under (None: the base model's)."""
         self.config, self.detokenize, self.structured = config, detokenize, structured
         self.engine = engine = Engine(config, loaded=loaded)
         if warmup and requests:
@@ -82,7 +84,8 @@ class TraceRun:
         started = time.perf_counter()
         self.outputs: dict[str, list[int]] = {}
         grammar = None if structured is None else structured.grammar
-        for r in requests:
+        loras = loras or [None] * len(requests)
+        for r, lora in zip(requests, loras, strict=True):
             params = SamplingParams(
                 max_tokens=r.output_len,
                 temperature=0,
@@ -90,7 +93,9 @@ class TraceRun:
                 detokenize=detokenize,
                 grammar=grammar,
             )
-            engine.add_request(r.request_id, r.prompt_ids, params, arrival_time=time.monotonic())
+            engine.add_request(
+                r.request_id, r.prompt_ids, params, arrival_time=time.monotonic(), lora=lora
+            )
             self.outputs[r.request_id] = []
         engine.flush()
         self.elapsed = time.perf_counter() - started  # the run's own clock, in seconds

@@ -45,3 +45,14 @@ def _portable(word: str, base: Path) -> str:
 def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages (a busy machine skews every timing)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), which every timing table names beside it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"

@@ -32,6 +32,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # How /v1/embeddings pools a prompt's final hidden states (engine/pooling.py): the last token's
 # (vLLM's default for decoder models) or the mean over the prompt.
 POOLING_METHODS = ("last", "mean")
+# The largest LoRA rank the kernels take (engine/kernels/csrc/lora_add.cpp kMaxRank).
+MAX_LORA_RANK = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +153,10 @@ class EngineConfig:
             raise ValueError("lora_modules takes name=path pairs, each with a name and a path")
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names an adapter twice: {names}")
-        if self.max_loras < 1 or self.max_lora_rank < 1:
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
             raise ValueError(
-                f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
-                f"{self.max_lora_rank}"
+                f"max_loras must be >= 1 and max_lora_rank in [1, {MAX_LORA_RANK}], got "
+                f"{self.max_loras} and {self.max_lora_rank}"
             )
         if self.lora_modules and self.compile:
             raise ValueError("--compile compiles the base model's layers; LoRA adapters run eager")

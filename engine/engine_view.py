@@ -123,6 +123,11 @@ class EngineView:
         return self._engine.block_manager.num_free_blocks
 
     @property
+    def resident_adapters(self) -> list[str]:
+        """The LoRA adapters in memory now (placement prefers a worker holding a request's)."""
+        return self._engine.adapters.resident_names
+
+    @property
     def kv_used_blocks(self) -> int:
         return self._engine.block_manager.num_used_blocks
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 from collections.abc import Collection, Sequence
 
@@ -50,10 +51,19 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
             action.default = value.strip().lower() in {"1", "true", "yes", "on"}
         else:
             try:
-                action.default = action.type(value) if action.type else value
+                action.default = env_value(action, value)
             except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
                 parser.error(f"{env_var_for(long_opts[0])}={value!r}: {e}")
         action.required = False
+
+
+def env_value(action: argparse.Action, value: str) -> object:
+    """An option's value from its variable, converted by the option's own type; a list option
+    (nargs "+" or "*") takes the items a shell would split (JITNEY_LORA_MODULES='a=/x b=/y')."""
+    convert = action.type or str
+    if action.nargs in ("+", "*"):
+        return [convert(item) for item in shlex.split(value)]
+    return convert(value)
 
 
 def build_parser(load: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:

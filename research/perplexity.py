@@ -1,7 +1,8 @@
 """Perplexity of one model kept in several ways, on English prose that ships with Python.
 
 `python -m research.perplexity [--model smollm2-135m] [--modes fp32,bf16,int8,gguf,gguf-1-digit]
- [--tokens 8192] [--window 512] [--chunk 16] [--kv-cache-dtype auto] [--output perplexity.json]`
+ [--tokens 8192] [--window 512] [--chunk 16] [--kv-cache-dtype auto] [--lora ADAPTER]
+ [--output perplexity.json]`
 
 The text is the language reference's prose in `pydoc_data/topics.py` (every topic, in sorted
 order), so anyone with the same Python gets the same tokens. It is cut into windows of
@@ -22,6 +23,9 @@ measures the kernels and int8 vs fp32 the 8-bit rounding. `--kv-cache-dtype` kee
 K/V as the engine's flag of that name does (auto: float16 for int8 and gguf, as the engine keeps
 a quantized forward's; the mode's own dtype for fp32 and bf16). Each mode also reports how often
 its most likely next token is fp32's (greedy decoding's agreement, position by position).
+`--lora` runs every mode under a LoRA adapter (a PEFT directory or a GGUF adapter: each mode's
+forward keeps it as the engine does, float16 through jitney::lora_add_ beside quantized
+weights, the forward's dtype beside dense ones).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import torch.nn.functional as F
 from engine.attention.step_inputs import AttentionMetadata
 from engine.kernels import kernel_backend
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
+from engine.lora.adapter_set import AdapterSet
+from engine.lora.step_rows import StepAdapters
 from engine.models.model_loader import LoadedModel, load_model
 from engine.runner.model_runner import model_forward_for
 
@@ -79,13 +85,14 @@ def score(
     window: int,
     chunk: int,
     kv_cache_dtype: str = "auto",
+    lora: str | None = None,
 ) -> Score:
     """Sum of each scored token's negative log-likelihood, window by window."""
     _, quantization, digits = MODES[mode]
     backend = kernel_backend()
     backend.set_activation_digits(digits)
     try:
-        return _score(loaded, mode, quantization, tokens, window, chunk, kv_cache_dtype)
+        return _score(loaded, mode, quantization, tokens, window, chunk, kv_cache_dtype, lora)
     finally:
         backend.set_activation_digits(2)
 
@@ -98,8 +105,16 @@ def _score(
     window: int,
     chunk: int,
     kv_cache_dtype: str,
+    lora: str | None,
 ) -> Score:
     forward = model_forward_for(loaded, "auto", quantization)
+    adapter = None
+    if lora is not None:
+        config = loaded.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        adapters = AdapterSet(forward.lora_targets(), [("lora", lora)], 1, 1 << 16, heads, kv_heads)
+        adapter = adapters.resident("lora")
     dtype = loaded.dtype
     spec = KVCacheSpec(
         loaded.num_layers,
@@ -124,6 +139,8 @@ def _score(
                 [(at, len(new), blocks)], cache, [False], input_ids=new, prompt_rows=[(0, len(new))]
             )
             assert meta.input_ids is not None
+            if adapter is not None:
+                meta.adapters = StepAdapters.build([(adapter, 0, len(new))], cache.device)
             with torch.inference_mode():
                 parts.append(forward(meta.input_ids, None, meta, cache).float())
         logits = torch.cat(parts)
@@ -141,6 +158,7 @@ def run(
     window: int,
     chunk: int,
     kv_cache_dtype: str = "auto",
+    lora: str | None = None,
 ) -> list[Score]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -154,7 +172,7 @@ def run(
             loaded_by_dtype[dtype] = load_model(model, dtype=dtype)
         loaded = loaded_by_dtype[dtype]
         tokens = tokens or text_tokens(loaded, num_tokens)
-        scores.append(score(loaded, mode, tokens, window, chunk, kv_cache_dtype))
+        scores.append(score(loaded, mode, tokens, window, chunk, kv_cache_dtype, lora))
     return scores
 
 
@@ -185,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--lora", help="a LoRA adapter every mode runs under")
     parser.add_argument("--output", help="results JSON")
     args = parser.parse_args(argv)
     if args.tokens < 2 or args.window < 2 or args.chunk < 0:
@@ -199,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             args.window,
             args.chunk,
             args.kv_cache_dtype,
+            args.lora,
         )
     except ValueError as e:
         parser.error(str(e))
@@ -206,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"model": args.model, "window": args.window, "chunk": args.chunk,
-                       "kv_cache_dtype": args.kv_cache_dtype,
+                       "kv_cache_dtype": args.kv_cache_dtype, "lora": args.lora,
                        "scores": [{k: v for k, v in asdict(s).items() if k != "top_tokens"}
                                   for s in scores]}, f, indent=2)  # fmt: skip
 

@@ -31,21 +31,12 @@ def write_peft_adapter(
     """A PEFT LoRA adapter directory for the transformers model at `base`; `lora_config`:
     further peft.LoraConfig fields (use_rslora, rank_pattern, ...)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from bench.lora import save_random_adapter
+
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **lora_config
-    )
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-    peft_model.save_pretrained(out)
-    return out
+    return save_random_adapter(model, out, rank, seed, targets, alpha, std, **lora_config)
 
 
 def write_gguf_adapter(adapter: Path, out: Path, num_heads: int, num_kv_heads: int) -> Path:

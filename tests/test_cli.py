@@ -141,6 +141,17 @@ def test_lora_modules_in_both_forms_reach_the_engine_and_the_workers_up_starts()
     assert engine_config_from_args(again) == config
 
 
+def test_a_list_flag_s_variable_holds_its_items_as_a_shell_splits_them(monkeypatch):
+    """JITNEY_LORA_MODULES='a=/x {json}': two items, each read by the flag's own type; the
+    flag on the command line replaces them."""
+    item = '{"name": "chat", "path": "/adapters/chat"}'
+    monkeypatch.setenv("JITNEY_LORA_MODULES", f"sql=/adapters/sql '{item}'")
+    config = engine_config_from_args(build_parser(["worker"]).parse_args(["worker"]))
+    assert config.lora_modules == (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
+    given = build_parser(["worker"]).parse_args(["worker", "--lora-modules", "b=/b"])
+    assert engine_config_from_args(given).lora_modules == (("b", "/b"),)
+
+
 def test_max_preemptions_per_seq_below_one_is_refused():
     args = build_parser(["worker"]).parse_args(["worker", "--max-preemptions-per-seq", "0"])
     with pytest.raises(ValueError, match="max_preemptions_per_seq must be >= 1, got 0"):

@@ -8,7 +8,7 @@ import pytest
 from engine.models.model_loader import LoadedModel, load_model
 from generation import SamplingParams
 from generation.block_hash import prompt_block_hashes, summary_hash
-from protocol.queue.placement import BLOCK_SIZE_FIELD, ROOM_FIELD, WAITING_FIELD
+from protocol.queue.placement import ADAPTERS_FIELD, BLOCK_SIZE_FIELD, ROOM_FIELD, WAITING_FIELD
 from tests.engine.engine_helpers import make_engine
 from worker.prefix_summary import PrefixSummary
 
@@ -38,7 +38,8 @@ def test_the_summary_follows_the_cache_a_step_at_a_time(loaded):
     summary = PrefixSummary("key")
     first = summary.update(engine.view, room=3, waiting=0)
     assert first is not None and first.reset and first.added == [] and first.removed == []
-    assert first.load == {ROOM_FIELD: 3, WAITING_FIELD: 0, BLOCK_SIZE_FIELD: BLOCK}
+    load = {ROOM_FIELD: 3, WAITING_FIELD: 0, BLOCK_SIZE_FIELD: BLOCK, ADAPTERS_FIELD: ""}
+    assert first.load == load
     assert summary.update(engine.view, room=3, waiting=0) is None
     prompt = list(range(10, 30))  # 5 full blocks
     run(engine, "a", prompt)
@@ -71,3 +72,15 @@ def test_changes_beyond_the_step_s_budget_go_in_later_steps_and_a_restart_resend
     update = summary.update(engine.view, room=1, waiting=0)
     assert update is not None and update.reset and len(update.added) == 3
     assert set(update.added) <= set(short(prompt)) and BLOCK_SIZE_FIELD in update.load
+
+
+def test_the_resident_adapters_are_sent_when_they_change(loaded):
+    """The engine's resident LoRA adapters ride in the summary (" a b ": LOOKUP's form), sent
+    only when the set changes."""
+    engine = make_engine(loaded, block_size=BLOCK)
+    summary = PrefixSummary("key")
+    first = summary.update(engine.view, room=1, waiting=0, adapters=["sql", "chat"])
+    assert first is not None and first.load[ADAPTERS_FIELD] == " chat sql "
+    assert summary.update(engine.view, room=1, waiting=0, adapters=["chat", "sql"]) is None
+    update = summary.update(engine.view, room=1, waiting=0, adapters=["sql"])
+    assert update is not None and update.load == {ADAPTERS_FIELD: " sql "}

@@ -322,7 +322,8 @@ def test_placement_calls_lay_out_keys_and_argv_as_the_scripts_read_them():
     """PLACE is ENQUEUE's call plus the owners hash, the target's own stream and summary, and
     the target's id; LOOKUP pairs each worker's summary with its own stream of the queue; READ
     with placement adds the owners hash and the own-stream mark, summaries' prefix, steal bound
-    and flag; a summary update is publish's `S` operation; the heartbeat renews the summary."""
+    and flag; a summary update is publish's `S` operation; the heartbeat renews the summary.
+    LOOKUP names the request's LoRA adapter ('' for none) before the hashes."""
     k, model = QUEUE_KEYS, "m"
     queue = Queue(priority=2, share="key1", weight=3)
     fields = encode_entry(RequestMessage("r", model, [1], {}, "x", "g", 0.0), 7)
@@ -334,7 +335,9 @@ def test_placement_calls_lay_out_keys_and_argv_as_the_scripts_read_them():
     assert call.args == [*enqueue.args, "w1"]
     call = lookup_call(k, model, queue, ["w1", "w2"], [b"h1", b"h2"])
     assert call.keys == [k.prefix_summary("w1"), own, k.prefix_summary("w2"), stream + ":w:w2"]
-    assert call.args == [WORKER_GROUP, UNREAD_COUNT_BOUND, b"h1", b"h2"]
+    assert call.args == [WORKER_GROUP, UNREAD_COUNT_BOUND, "", b"h1", b"h2"]
+    call = lookup_call(k, model, queue, ["w1"], [b"h1"], adapter="sql")
+    assert call.args == [WORKER_GROUP, UNREAD_COUNT_BOUND, "sql", b"h1"]
     call = read_call(k, model, "w1", 4, placed=True, steal=True, steal_after_ms=250)
     assert call.keys == [*read_call(k, model, "w1", 4).keys, k.queue_owners(model)]
     assert call.args[5:] == [":w:", k.prefix_summary(""), 250, 1]

@@ -11,7 +11,8 @@ One iteration, each part a bounded number of round trips:
 5. one engine step; the deltas of the whole batch and the XACK+XDEL of finished requests go out
    atomically in one round trip (refused if this worker was fenced). A takeover later reads
    those replies back from the request's reply stream to continue after them. With placement,
-   the prefix summary's changes ride along (worker/prefix_summary.py).
+   the prefix summary's changes (and the resident LoRA adapters) ride along
+   (worker/prefix_summary.py).
 A heartbeat thread renews the lease while the loop makes progress (worker/lease.py).
 A worker never hoards: what it reads it can start now, so another worker gets the rest.
 
@@ -236,7 +237,8 @@ class WorkerService:
             self.io.placement_lost = False
             summary.restart()
         view = self.engine.view
-        outbox.summary = summary.update(view, self._num_to_read(), view.num_waiting)
+        resident = self.engine.view.resident_adapters
+        outbox.summary = summary.update(view, self._num_to_read(), view.num_waiting, resident)
 
     def _on_fenced(self) -> None:
         """Another worker judged this one dead and took (some of) its requests: drop them all

@@ -52,8 +52,12 @@ SCHEMAS = {
         "int num_kv_heads, float eps, int[] windows, int[] rope_tables, Tensor[] out_norms, "
         "float scale, int activation, Tensor[] lora_rows, Tensor[] lora, int[] lora_ints) -> ()"
     ),
+    "lora_add_slots_": (
+        "(Tensor(a!) y, Tensor x, Tensor[] rows, Tensor[] lora, int[] lora_ints) -> ()"
+    ),
     "lora_add_": (
-        "(Tensor(a!) y, Tensor x, Tensor rows, Tensor a, Tensor[] b, int[] starts) -> ()"
+        "(Tensor(a!) y, Tensor x, Tensor rows, Tensor a, Tensor[] b, Tensor[] scales, "
+        "int[] starts) -> ()"
     ),
 }
 
@@ -144,8 +148,13 @@ def _llama_decode_layers_fake(
     return None
 
 
+@torch.library.register_fake("jitney::lora_add_slots_")
+def _lora_add_slots_fake(y, x, rows, lora, lora_ints):
+    return None
+
+
 @torch.library.register_fake("jitney::lora_add_")
-def _lora_add_fake(y, x, rows, a, b, starts):
+def _lora_add_fake(y, x, rows, a, b, scales, starts):
     return None
 
 

@@ -252,22 +252,49 @@ def lora_add_(
     y: torch.Tensor,  # [T, out] float32, updated in place
     x: torch.Tensor,  # [T, in] float32
     rows: torch.Tensor,  # [n] int64: the rows of y and x under this adapter
-    a: torch.Tensor,  # [R, in]: the parts' A stacked (float16 or float32)
+    a: torch.Tensor,  # [in, R]: the parts' A stacked and transposed (int8 or float32)
     b: list[torch.Tensor],  # per part: PEFT's B transposed, [r_p, out_p]
-    starts: list[int],  # per part: its first column of y, its first row of R
+    scales: list[torch.Tensor],  # int8 weights: a's per column [R], each b's per row [r_p]
+    starts: list[int],  # per part: its first column of y, its first column of a
 ) -> None:
     """One adapter's low-rank update of a (fused) projection, added to its rows of y."""
-    low = x[rows] @ a.float().T
+    a_scale = scales[0] if scales else 1.0
+    low = (x[rows] @ a.float()) * a_scale
     for p, bt in enumerate(b):
         start, rank_start = starts[2 * p], starts[2 * p + 1]
+        weights = bt.float() * scales[1 + p][:, None] if scales else bt.float()
         cols = slice(start, start + bt.shape[1])
-        y[rows, cols] += low[:, rank_start : rank_start + bt.shape[0]] @ bt.float()
+        y[rows, cols] += low[:, rank_start : rank_start + bt.shape[0]] @ weights
 
 
-# LoRA in llama_decode_layers_: per adapter group, layer and matrix, A then each part's B (empty
-# where absent), and per (group, layer, matrix) its part count and each part's two starts.
-LORA_MATRIX_TENSORS = 1 + 3
-LORA_MATRIX_INTS = 1 + 2 * 3
+# One adapter's update of one projection as the kernels take it (a slot): A, each part's B
+# (padded to three), then A's and each B's int8 scales (padded likewise; empty where absent or
+# float32); its part count and each part's two starts (padded with zeros). An empty A: none.
+LORA_SLOT_TENSORS = 2 * (1 + 3)
+LORA_SLOT_INTS = 1 + 2 * 3
+
+
+def lora_add_slot(
+    y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, tensors: list, ints: list
+) -> None:
+    """One slot's update added to its rows of y (nothing for an empty slot)."""
+    a, parts = tensors[0], ints[0]
+    if a.numel():
+        scales = list(tensors[4 : 5 + parts]) if tensors[4].numel() else []
+        lora_add_(y, x, rows, a, list(tensors[1 : 1 + parts]), scales, ints[1 : 1 + 2 * parts])
+
+
+def lora_add_slots_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    rows: list[torch.Tensor],  # per adapter group: its rows
+    lora: list[torch.Tensor],  # per group: its slot's LORA_SLOT_TENSORS
+    lora_ints: list[int],  # per group: LORA_SLOT_INTS
+) -> None:
+    """Every group's update of one projection (the per-layer path's one call for all)."""
+    nt, ni = LORA_SLOT_TENSORS, LORA_SLOT_INTS
+    for g, index in enumerate(rows):
+        lora_add_slot(y, x, index, lora[g * nt : (g + 1) * nt], lora_ints[g * ni : (g + 1) * ni])
 
 
 # llama_decode_layers_'s per-layer tensors: four vectors, then four matrices of four tensors.
@@ -312,8 +339,8 @@ def llama_decode_layers_(
     scale: float,  # the attention scores' scale
     activation: int,  # the MLP's gate: 0 SiLU, 1 GELU-tanh (engine/models/families.py)
     lora_rows: list[torch.Tensor] = (),  # type: ignore[assignment]  # per adapter group: rows
-    lora: list[torch.Tensor] = (),  # type: ignore[assignment]  # LORA_MATRIX_TENSORS each
-    lora_ints: list[int] = (),  # type: ignore[assignment]  # LORA_MATRIX_INTS each
+    lora: list[torch.Tensor] = (),  # type: ignore[assignment]  # LORA_SLOT_TENSORS each
+    lora_ints: list[int] = (),  # type: ignore[assignment]  # LORA_SLOT_INTS each
 ) -> None:
     """Every decoder layer of a decode-only step: the fused forward's layers, op for op, each
     matrix's LoRA updates added for their groups' rows."""
@@ -326,11 +353,10 @@ def llama_decode_layers_(
         y = _kind_linear(y_in, mats[matrix], ints[matrix])
         for g, rows in enumerate(lora_rows):
             at = (g * num_layers + layer) * 4 + matrix
-            a = lora[at * LORA_MATRIX_TENSORS]
-            if a.numel():
-                info = lora_ints[at * LORA_MATRIX_INTS : (at + 1) * LORA_MATRIX_INTS]
-                b = lora[at * LORA_MATRIX_TENSORS + 1 : at * LORA_MATRIX_TENSORS + 1 + info[0]]
-                lora_add_(y, y_in, rows, a, list(b), info[1 : 1 + 2 * info[0]])
+            nt, ni = LORA_SLOT_TENSORS, LORA_SLOT_INTS
+            lora_add_slot(
+                y, y_in, rows, lora[at * nt : (at + 1) * nt], lora_ints[at * ni : (at + 1) * ni]
+            )
         return y
 
     h = rms_norm(x, tensors[0], eps)

@@ -6,16 +6,17 @@ gate/up, down): the A matrices of a projection's parts stacked, so one product g
 part's low-rank activations, and each part's B adding into its own columns of the fused
 output. What it costs is its own weights, never a copy of the base model's: the base projection
 stays as it is stored. The exact (dense) forward keeps them in its dtype and adds them with
-torch ops; the quantized forward keeps them in float16 (a decode step reads every one of them
-beside the base's 4-bit blocks: half the bytes of float32) and adds them with jitney::lora_add_,
-also inside the one-call decode op (`ResidentAdapter.decode_tensors`).
+torch ops; the quantized forward keeps them in int8 with a float32 scale per rank (a decode step
+reads every one of them beside the base's 4-bit blocks, and reading them is what they cost: a
+quarter of float32's bytes) and adds them with jitney::lora_add_, also inside the one-call
+decode op (`ResidentAdapter.decode_tensors`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +24,9 @@ from engine.errors import AdapterLoadError, UnknownAdapterError
 from engine.lora.adapter_files import AdapterFile, read_adapter
 
 FUSED = ("qkv", "o", "gate_up", "down")  # llama_decode_layers_'s matrices, in its order
-MAX_PARTS = 3  # Q, K, V (kernels/reference.py LORA_MATRIX_TENSORS)
+_EMPTY = torch.empty(0)  # an unused slot's tensor
+MAX_PARTS = 3  # Q, K, V (kernels/reference.py LORA_SLOT_TENSORS)
+RANK_TILE = 16  # jitney::lora_add_ takes A's stacked ranks in tiles of 16 (csrc/lora_add.cpp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +43,33 @@ class PartUpdate:
 class FusedUpdate:
     """One fused projection's low-rank update: t = x @ a.T, then each part's t-slice @ b.T."""
 
-    a: torch.Tensor  # [R, in]: the parts' A stacked
+    a: torch.Tensor  # [R, in]: the parts' A stacked; for the kernel [in, R] (R padded)
     parts: tuple[PartUpdate, ...]
-    kernel: bool  # float16, added by jitney::lora_add_ (else torch ops in the model's dtype)
+    kernel: bool  # int8, added by jitney::lora_add_ (else torch ops in the model's dtype)
+    # The kernels' slot for it, made once (kernels/reference.py LORA_SLOT_TENSORS, _INTS): a,
+    # each part's b and the scales, padded to MAX_PARTS; the part count and starts.
+    slot_tensors: list[torch.Tensor] = field(default_factory=list)
+    slot_ints: list[int] = field(default_factory=list)
 
-    @property
-    def starts(self) -> list[int]:
-        return [s for p in self.parts for s in (p.start, p.rank_start)]
+    @classmethod
+    def of(
+        cls,
+        a: torch.Tensor,
+        parts: tuple[PartUpdate, ...],
+        kernel: bool,
+        scales: list[torch.Tensor] | None = None,
+    ) -> FusedUpdate:
+        if not kernel:
+            return cls(a, parts, kernel)
+        unused = MAX_PARTS - len(parts)
+        tensors = [a, *(p.b for p in parts), *[_EMPTY] * unused]
+        tensors += [*(scales or []), *[_EMPTY] * (1 + MAX_PARTS - len(scales or []))]
+        ints = [len(parts), *(i for p in parts for i in (p.start, p.rank_start)), *[0] * 2 * unused]
+        return cls(a, parts, kernel, tensors, ints)
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, rows: slice, index: torch.Tensor) -> None:
-        """y[rows] += this update of x[rows], in place (`index`: the same rows as a tensor)."""
-        if self.kernel:
-            torch.ops.jitney.lora_add_(y, x, index, self.a, [p.b for p in self.parts], self.starts)
-            return
+    def add_dense(self, y: torch.Tensor, x: torch.Tensor, rows: slice, index: torch.Tensor) -> None:
+        """y[rows] += this update of x[rows], in place, in torch ops (`index`: the same rows as a
+        tensor). The kernel's form is added by StepAdapters, every adapter in one call."""
         if rows.stop - rows.start != index.numel():  # scattered rows: gathered, added back
             part = torch.zeros(index.numel(), y.shape[1], dtype=y.dtype, device=y.device)
             self._add_dense(part, x[index])
@@ -87,7 +104,7 @@ class LoraTargets:
     sites: dict[str, ProjectionSite]  # PEFT module name -> site
     dtype: torch.dtype
     device: torch.device
-    kernel: bool = False  # the quantized forward's: float16 for jitney::lora_add_
+    kernel: bool = False  # the quantized forward's: int8 for jitney::lora_add_
 
     @classmethod
     def llama(
@@ -114,8 +131,7 @@ class LoraTargets:
             "gate_up_proj": ProjectionSite("gate_up", 0, 2 * intermediate, hidden),
             "down_proj": ProjectionSite("down", 0, hidden, intermediate),
         }
-        storage = torch.float16 if kernel else dtype
-        return cls(num_layers, sites, storage, device, kernel)
+        return cls(num_layers, sites, dtype, device, kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,39 +176,53 @@ def lay_out(name: str, file: AdapterFile, targets: LoraTargets, max_rank: int) -
         updates = {}
         for fused, parts in per_fused.items():
             parts.sort(key=lambda part: part[0].start)
+            if len(parts) > MAX_PARTS:
+                raise AdapterLoadError(f"LoRA adapter {name!r}: {fused} in overlapping parts")
             a = torch.cat([pa for _, pa, _ in parts]).to(targets.device, targets.dtype)
+            scales = []
+            if targets.kernel:  # jitney::lora_add_'s layout: [in, R], R padded to RANK_TILE
+                padded = torch.zeros(a.shape[1], -(-a.shape[0] // RANK_TILE) * RANK_TILE)
+                padded[:, : a.shape[0]] = a.T
+                a, a_scale = _int8_columns(padded)
+                scales.append(a_scale)
             placed, rank_start = [], 0
             for site, pa, pb in parts:
                 b = pb.to(targets.device, targets.dtype)
-                b = (b.T if targets.kernel else b).contiguous()
+                if targets.kernel:  # transposed, [r, out], a scale per rank
+                    b, b_scale = _int8_columns(b)
+                    b = b.T.contiguous()
+                    scales.append(b_scale)
                 placed.append(PartUpdate(site.start, rank_start, b))
                 rank_start += pa.shape[0]
-                nbytes += b.nbytes
-            nbytes += a.nbytes
-            if len(placed) > MAX_PARTS:
-                raise AdapterLoadError(f"LoRA adapter {name!r}: {fused} in overlapping parts")
-            updates[fused] = FusedUpdate(a.contiguous(), tuple(placed), targets.kernel)
+            update = FusedUpdate.of(a.contiguous(), tuple(placed), targets.kernel, scales)
+            nbytes += update.a.nbytes + sum(p.b.nbytes for p in placed)
+            nbytes += sum(t.nbytes for t in scales)
+            updates[fused] = update
         layers.append(updates)
     tensors, ints = _decode_layout(layers) if targets.kernel else ((), ())
     return ResidentAdapter(name, file.path, file.rank, tuple(layers), nbytes, tensors, ints)
 
 
+def _int8_columns(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """m [rows, cols] float32 as int8 with a float32 scale per column (symmetric: the column's
+    largest magnitude maps to 127; an all-zero column, a padded rank, gets scale 1)."""
+    largest = m.abs().amax(0)
+    scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    return torch.round(m / scale).clamp(-127, 127).to(torch.int8), scale.float().contiguous()
+
+
 def _decode_layout(
     layers: list[dict[str, FusedUpdate]],
 ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """Per layer and matrix: A (empty: no update) and each part's B, padded to MAX_PARTS; the
-    part count and each part's starts, padded with zeros."""
-    empty = torch.empty(0, dtype=torch.float16)
+    """Per layer and matrix, its update's slot (an unused slot where it has none)."""
+    unused = FusedUpdate.of(_EMPTY, (), True)
     tensors: list[torch.Tensor] = []
     ints: list[int] = []
     for updates in layers:
         for fused in FUSED:
-            update = updates.get(fused)
-            parts = () if update is None else update.parts
-            unused = MAX_PARTS - len(parts)
-            tensors += [empty if update is None else update.a] + [p.b for p in parts]
-            tensors += [empty] * unused
-            ints += [len(parts)] + ([] if update is None else update.starts) + [0] * 2 * unused
+            update = updates.get(fused, unused)
+            tensors += update.slot_tensors
+            ints += update.slot_ints
     return tuple(tensors), tuple(ints)
 
 

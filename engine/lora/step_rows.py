@@ -52,10 +52,21 @@ class StepAdapters:
     def add(self, layer: int, fused: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y (a projection's output for x) with each group's update of `fused` in `layer`
         added to its rows; y is updated in place and returned."""
+        rows: list[torch.Tensor] = []
+        tensors: list[torch.Tensor] = []
+        ints: list[int] = []
         for group in self.groups:
             update = group.adapter.layers[layer].get(fused)
-            if update is not None:
-                update.add(y, x, group.rows, group.index)
+            if update is None:
+                continue
+            if not update.kernel:
+                update.add_dense(y, x, group.rows, group.index)
+                continue
+            rows.append(group.index)
+            tensors += update.slot_tensors
+            ints += update.slot_ints
+        if rows:  # the kernel's: every adapter's update in one call
+            torch.ops.jitney.lora_add_slots_(y, x, rows, tensors, ints)
         return y
 
     def decode_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:

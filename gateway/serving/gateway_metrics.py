@@ -80,7 +80,8 @@ class GatewayMetrics:
         self.placements = Counter(
             "jitney_placements",
             "Requests enqueued, by placement outcome: hit (on the worker holding most of the "
-            "prompt), no_hit or busy (the shared stream)",
+            "prompt), adapter (on a worker holding the request's LoRA adapter), no_hit or busy "
+            "(the shared stream)",
             ["model", "outcome"],
             registry=r,
         )

@@ -10,6 +10,12 @@ within the steal bound.
 
 The rule (`choose`), with a worker's *lead* = unread entries in its own stream of the queue +
 requests it read and has not admitted - requests it could start now (below 0: it has room):
+0. Adapter: a request under a LoRA adapter that some live workers hold resident and others do
+   not goes to one that holds it (reading an adapter's files costs about what a long prefill
+   does): the one holding the most leading blocks among them (ties: the smaller lead), if it
+   has room, or if nobody has and it is at most BUSY_SLACK requests further behind than the
+   least busy worker. Else (busy): the shared stream, where any worker takes it, loading the
+   adapter. When every worker holds it, or none does, the adapter says nothing: steps 1-4.
 1. The candidate is the worker holding the most leading blocks (ties: the smaller lead).
 2. No useful hit (shared): it holds fewer than MIN_GAIN_BLOCKS blocks more than the worker
    holding the fewest. What every worker holds (a chat template's header, a system prompt all
@@ -21,9 +27,11 @@ requests it read and has not admitted - requests it could start now (below 0: it
    at least LONG_HIT_SHARE of the prompt: waiting about one request longer is worth skipping
    most of a long prefill, not a short one. Else (busy): the shared stream, where whoever frees
    a seat first takes it.
-Placing costs the gateway the hashing (blake2b over the prompt's tokens), and Redis one LOOKUP
-(an HMGET and an XINFO per live worker) and one PLACE instead of the plain enqueue; the live
-workers' list and block size are read at most every FLEET_REFRESH_S (docs/scale.md).
+A prompt under an adapter is looked up however short it is; a base model's prompt shorter than a
+block is not (no hit to find). Placing costs the gateway the hashing (blake2b over the prompt's
+tokens), and Redis one LOOKUP (an HMGET and an XINFO per live worker) and one PLACE instead of
+the plain enqueue; the live workers' list and block size are read at most every FLEET_REFRESH_S
+(docs/scale.md).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ MIN_GAIN_BLOCKS = 1  # over the worker holding the fewest: less says nothing abo
 BUSY_SLACK = 1  # requests further behind than the least busy worker a long hit may wait
 LONG_HIT_SHARE = 0.5  # of the prompt's blocks: what is worth waiting a request longer for
 FLEET_REFRESH_S = 0.5  # a new worker is placed on within this long; a dead one's summary is gone
-OUTCOMES = ("hit", "no_hit", "busy")
+OUTCOMES = ("hit", "no_hit", "busy", "adapter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +77,9 @@ def choose(cached: Sequence[Cached], prompt_blocks: int) -> tuple[str, Cached | 
     """The rule above: (outcome, the worker to place on, or None for the shared stream)."""
     if len(cached) < 2:
         return "no_hit", None
+    holders = [c for c in cached if c.adapter]
+    if holders and len(holders) < len(cached):
+        return _by_adapter(holders, cached)
     best = max(cached, key=lambda c: (c.blocks, -lead(c)))
     gain = best.blocks - min(c.blocks for c in cached)
     if gain < MIN_GAIN_BLOCKS:
@@ -79,6 +90,15 @@ def choose(cached: Sequence[Cached], prompt_blocks: int) -> tuple[str, Cached | 
     long_hit = gain >= LONG_HIT_SHARE * prompt_blocks
     if least >= 0 and long_hit and lead(best) <= least + BUSY_SLACK:
         return "hit", best
+    return "busy", None
+
+
+def _by_adapter(holders: Sequence[Cached], cached: Sequence[Cached]) -> tuple[str, Cached | None]:
+    """Step 0: the holder of the request's adapter with the longest prefix, unless busy."""
+    best = max(holders, key=lambda c: (c.blocks, -lead(c)))
+    least = min(lead(c) for c in cached)
+    if lead(best) < 0 or (least >= 0 and lead(best) <= least + BUSY_SLACK):
+        return "adapter", best
     return "busy", None
 
 
@@ -103,10 +123,11 @@ class Placement:
         `adapter`: the LoRA adapter it runs under, part of its blocks' hashes as on the worker."""
         fleet = await self.fleet()
         outcome, worker = "no_hit", None
-        if len(fleet.workers) >= 2 and len(prompt_ids) >= fleet.block_size * MIN_GAIN_BLOCKS:
+        long_enough = len(prompt_ids) >= fleet.block_size * MIN_GAIN_BLOCKS
+        if len(fleet.workers) >= 2 and (long_enough or adapter is not None):
             blocks = prompt_block_hashes(prompt_ids, fleet.block_size, MAX_LOOKUP_BLOCKS, adapter)
             hashes = [summary_hash(h) for h in blocks]
-            call = lookup_call(self.keys, self.model, queue, fleet.workers, hashes)
+            call = lookup_call(self.keys, self.model, queue, fleet.workers, hashes, adapter)
             reply = await self._lookup(keys=call.keys, args=call.args)
             outcome, chosen = choose(lookup_reply(fleet.workers, reply), len(blocks))
             worker = None if chosen is None else chosen.worker

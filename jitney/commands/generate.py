@@ -8,9 +8,28 @@ import time
 
 from jitney.commands.engine_args import add_engine_arguments, engine_config_from_args
 
+EXAMPLES = """\
+examples:
+  jitney generate "What is the capital of France?" "Write a haiku about the sea."
+  jitney generate --model ./base --lora-modules sql=./sql-lora chat=./chat-lora --lora sql \\
+      "List the tables."
+
+--lora-modules takes every word up to the next flag: give the prompts before it, after another
+flag (--lora NAME above), or after `--` (... --lora-modules sql=./sql-lora -- "a prompt").
+"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the examples as written
+    p.epilog = EXAMPLES
     p.add_argument("prompts", nargs="+", help="user messages (chat template applied) or raw text")
+    p.add_argument(
+        "--lora",
+        metavar="NAME",
+        default=None,
+        help="run the prompts under this LoRA adapter (a --lora-modules name); without it, the "
+        "base model",
+    )
     p.add_argument(
         "--raw",
         action="store_true",
@@ -39,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             stop=tuple(args.stop),
         )
         config = engine_config_from_args(args)  # bad engine flags too
+        check_lora(args.lora, [name for name, _ in config.lora_modules])
         threads = resolve_threads(args.threads)  # and a bad OMP_NUM_THREADS
     except ValueError as e:
         raise SystemExit(f"generate: {e}") from None
@@ -73,13 +93,20 @@ def run(args: argparse.Namespace) -> int:
             for p in args.prompts
         ]
     start = time.perf_counter()
-    results = engine.generate(prompts, params)
+    results = engine.generate(prompts, params, lora=args.lora)
     elapsed = time.perf_counter() - start
     for prompt, res in zip(args.prompts, results, strict=True):
         print(f"### {prompt}\n{res.text}\n[{len(res.token_ids)} tokens, {res.finish_reason}]\n")
     total = sum(len(r.token_ids) for r in results)
     print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def check_lora(name: str | None, served: list[str]) -> None:
+    """`--lora` names one of `--lora-modules` (ValueError, before the model loads)."""
+    if name is not None and name not in served:
+        listed = ", ".join(served) if served else "none given"
+        raise ValueError(f"--lora {name!r} is not one of --lora-modules ({listed})")
 
 
 def no_template(model: str) -> str:

@@ -32,8 +32,9 @@ def lora_module(text: str) -> LoraModule:
         return _from_json(text)
     name, sep, path = text.partition("=")
     if not sep:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not name=path (or a JSON object with name and path)"
+        raise argparse.ArgumentTypeError(  # a prompt of `jitney generate` after the items too
+            f"{text!r} is not name=path (or a JSON object with name and path); the flag takes "
+            "every word up to the next flag or `--`"
         )
     return _checked(name.strip(), path.strip())
 

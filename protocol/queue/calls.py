@@ -147,13 +147,19 @@ def heartbeat_call(
 
 
 def lookup_call(
-    keys: Keys, model: str, queue: Queue, workers: Sequence[str], hashes: Sequence[bytes]
+    keys: Keys,
+    model: str,
+    queue: Queue,
+    workers: Sequence[str],
+    hashes: Sequence[bytes],
+    adapter: str | None = None,
 ) -> ScriptCall:
-    """LOOKUP how much of a prompt (its block hashes, summary form) each of `workers` holds."""
+    """LOOKUP how much of a prompt (its block hashes, summary form) each of `workers` holds,
+    and whether it holds the LoRA `adapter` the prompt runs under resident."""
     found: list[str] = []
     for worker in workers:
         found += [keys.prefix_summary(worker), queue.stream(keys, model, worker)]
-    return ScriptCall(found, [WORKER_GROUP, UNREAD_COUNT_BOUND, *hashes])
+    return ScriptCall(found, [WORKER_GROUP, UNREAD_COUNT_BOUND, adapter or "", *hashes])
 
 
 def place_call(

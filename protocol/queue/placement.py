@@ -4,11 +4,12 @@ Workers pull; placement only adds a hint. Each worker publishes a prefix summary
 (`Keys.prefix_summary`, a hash expiring with its lease): a field per block hash its prefix
 cache holds (generation/block_hash.py's `summary_hash`: the first SUMMARY_BYTES bytes) and its
 load (ROOM_FIELD: requests it could start now; WAITING_FIELD: read but not admitted;
-BLOCK_SIZE_FIELD: the hashes' block size). A gateway hashes a prompt the same way, asks each live
-worker's summary how many of its leading blocks it holds (scripts.LOOKUP), picks a worker
-(gateway/serving/placement.py) and enqueues into that worker's own stream of the request's queue
-(`Keys.requests(..., worker=...)`; scripts.PLACE, which falls back to the queue itself when the
-worker's summary is gone).
+BLOCK_SIZE_FIELD: the hashes' block size), and the LoRA adapters it holds resident
+(ADAPTERS_FIELD). A gateway hashes a prompt the same way, asks each live worker's summary how
+many of its leading blocks it holds and whether it holds the request's adapter (scripts.LOOKUP),
+picks a worker (gateway/serving/placement.py) and enqueues into that worker's own stream of the
+request's queue (`Keys.requests(..., worker=...)`; scripts.PLACE, which falls back to the queue
+itself when the worker's summary is gone).
 
 Nothing waits on one worker: its own streams are listed in the model's queue set like any
 queue, so backlog readings, takeovers, hand-backs and fencing see them; the owner reads its own
@@ -19,7 +20,7 @@ or is leaving). Fair share and priorities are the queue's (scripts.READ).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -34,6 +35,9 @@ PLACEMENT_DEFAULT = False
 ROOM_FIELD = "room"
 WAITING_FIELD = "waiting"
 BLOCK_SIZE_FIELD = "block_size"
+# The adapters resident in the worker's engine, as `adapters_value` writes them (LOOKUP finds a
+# name in it without parsing).
+ADAPTERS_FIELD = "loras"
 # An entry in a live worker's own stream that it has not read after this long is anyone's: long
 # enough for a worker with room to come round from its current step (a prefill chunk of a small
 # model on a CPU takes a few hundred ms), short against what a misplaced request would wait.
@@ -54,7 +58,7 @@ class SummaryUpdate:
     reset: bool = False  # start the summary afresh (a new or rebuilt prefix cache, a resync)
     added: list[bytes] = field(default_factory=list)  # summary hashes
     removed: list[bytes] = field(default_factory=list)
-    load: dict[str, int] = field(default_factory=dict)
+    load: dict[str, int | str] = field(default_factory=dict)  # the load fields and ADAPTERS_FIELD
 
     def __bool__(self) -> bool:
         return self.reset or bool(self.added or self.removed or self.load)
@@ -66,6 +70,13 @@ class SummaryUpdate:
         return [*head, *self.added, *self.removed, *flat_load]
 
 
+def adapters_value(names: Iterable[str]) -> str:
+    """ADAPTERS_FIELD's value: the names between spaces (" a b "), so that LOOKUP finds one as
+    " a " with a plain substring search (an adapter's name holds no whitespace); none: ""."""
+    listed = sorted(names)
+    return f" {' '.join(listed)} " if listed else ""
+
+
 class Cached(NamedTuple):
     """One candidate worker as LOOKUP found it."""
 
@@ -74,15 +85,18 @@ class Cached(NamedTuple):
     room: int  # requests it could start now (as it last said)
     waiting: int  # requests it read and has not admitted
     unread: int  # entries in its own stream of the request's queue no one has read
+    adapter: bool = True  # holds the request's LoRA adapter resident (always, for none)
 
 
 def lookup_reply(workers: Sequence[str], reply: Sequence[Any]) -> list[Cached]:
     """LOOKUP's reply for `workers` (in the order asked): those with a summary."""
-    return [
-        Cached(worker, *(int(v) for v in values))
-        for worker, values in zip(workers, reply, strict=True)
-        if int(values[0]) >= 0
-    ]
+    found = []
+    for worker, values in zip(workers, reply, strict=True):
+        if int(values[0]) < 0:
+            continue  # no summary: gone, or leaving
+        blocks, room, waiting, unread, adapter = (int(v) for v in values)
+        found.append(Cached(worker, blocks, room, waiting, unread, bool(adapter)))
+    return found
 
 
 class PlacedRead(NamedTuple):

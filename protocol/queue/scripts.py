@@ -14,12 +14,12 @@ from string import Template
 
 from protocol.messages import BATCH_FIELD, MESSAGE_FIELD, VERSION_FIELD
 from protocol.queue.entry import COST_FIELD
-from protocol.queue.placement import ROOM_FIELD, WAITING_FIELD
+from protocol.queue.placement import ADAPTERS_FIELD, ROOM_FIELD, WAITING_FIELD
 
 # The entry fields a script names, by their placeholder: `'$cost'` in a script is `'c'`; and a
 # prefix summary's load fields (`'$room'`).
 _FIELDS = {"ver": VERSION_FIELD, "msg": MESSAGE_FIELD, "batch": BATCH_FIELD, "cost": COST_FIELD}
-_FIELDS |= {"room": ROOM_FIELD, "waiting": WAITING_FIELD}
+_FIELDS |= {"room": ROOM_FIELD, "waiting": WAITING_FIELD, "loras": ADAPTERS_FIELD}
 
 
 # READ's placement part (see READ): the own streams found in the listing, and `read` made to
@@ -212,22 +212,28 @@ return {lag, pending, tokens}
 # Prefix-aware placement (protocol/queue/placement.py). The cached prefix of a prompt on each
 # candidate worker: how many of the prompt's leading blocks its summary holds, its load, and
 # how many entries wait unread in its own stream of the request's queue (its lag, or its
-# undelivered entries counted up to a bound).
+# undelivered entries counted up to a bound), and whether it holds the request's LoRA adapter
+# resident (its adapters field, " a b ", holds " name "; every worker holds the base model).
 # KEYS: per candidate, its prefix summary then its own stream of the queue.
-# ARGV: group, count bound, the prompt's block hashes (summary form) first block first.
-# Returns per candidate {cached blocks, room, waiting, unread}, or {-1} without a summary.
+# ARGV: group, count bound, the adapter ('' for none), the prompt's block hashes (summary form)
+# first block first.
+# Returns per candidate {cached blocks, room, waiting, unread, holds the adapter (1|0)}, or {-1}
+# without a summary.
 LOOKUP = _lua("""
 local function field(g, name)
   for i = 1, #g, 2 do if g[i] == name then return g[i + 1] end end
 end
+local wanted = ' ' .. ARGV[3] .. ' '
 local out = {}
 for i = 1, #KEYS, 2 do
-  local values = redis.call('HMGET', KEYS[i], '$room', '$waiting', unpack(ARGV, 3))
+  local values = redis.call('HMGET', KEYS[i], '$room', '$waiting', '$loras', unpack(ARGV, 4))
   if not values[1] then
     table.insert(out, {-1})
   else
+    local held = 1
+    if ARGV[3] ~= '' and not string.find(values[3] or '', wanted, 1, true) then held = 0 end
     local hit = 0
-    for j = 3, #values do
+    for j = 4, #values do
       if not values[j] then break end
       hit = hit + 1
     end
@@ -239,7 +245,7 @@ for i = 1, #KEYS, 2 do
           '(' .. field(g, 'last-delivered-id'), '+', 'COUNT', ARGV[2])
       end
     end
-    table.insert(out, {hit, tonumber(values[1]) or 0, tonumber(values[2]) or 0, unread})
+    table.insert(out, {hit, tonumber(values[1]) or 0, tonumber(values[2]) or 0, unread, held})
   end
 end
 return out

@@ -162,3 +162,36 @@ def test_runtime_add_remove_and_lru(files) -> None:
         engine_for(files, lora_modules=(), max_lora_rank=4).add_adapter("a", str(files["a"]))
     with pytest.raises(AdapterLoadError, match="no such file"):
         engine.add_adapter("c", str(files["base"] / "missing"))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_the_update_kernel_matches_its_reference(int8) -> None:
+    """jitney::lora_add_slots_ (C++) against its torch definition: two adapter groups, rows
+    scattered, parts whose widths are not whole chunks, ranks not whole tiles."""
+    from engine.kernels import kernel_backend, reference
+    from engine.lora.adapter_set import FusedUpdate, PartUpdate, _int8_columns
+
+    if not kernel_backend().is_native:
+        pytest.skip("no C++ kernels on this machine")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 40, generator=g), torch.randn(7, 57, generator=g)
+    slots, ints = [], []
+    for _ in range(2):
+        a = torch.zeros(40, 16)
+        a[:, :13] = torch.randn(40, 13, generator=g)
+        bs = [torch.randn(8, 37, generator=g), torch.randn(5, 20, generator=g)]
+        scales = []
+        if int8:
+            a, a_scale = _int8_columns(a)
+            quantized = [_int8_columns(b.T.contiguous()) for b in bs]
+            bs = [q.T.contiguous() for q, _ in quantized]
+            scales = [a_scale, *(s for _, s in quantized)]
+        parts = (PartUpdate(0, 0, bs[0]), PartUpdate(37, 8, bs[1]))
+        update = FusedUpdate.of(a, parts, True, scales)
+        slots += update.slot_tensors
+        ints += update.slot_ints
+    rows = [torch.tensor([3, 0, 5]), torch.tensor([1, 2, 4, 6, 0])]
+    want = y.clone()
+    reference.lora_add_slots_(want, x, rows, slots, ints)
+    torch.ops.jitney.lora_add_slots_(y, x, rows, slots, ints)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)

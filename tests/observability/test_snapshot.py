@@ -128,3 +128,28 @@ def test_a_seat_says_how_many_tokens_its_last_step_gave(loaded):
             seen[name] |= {s.step_tokens for s in snap.seats if s.phase == "decode"}
     assert seen["plain"] == {1}
     assert max(seen["draft"]) > 1
+
+
+def test_a_seat_names_the_lora_adapter_its_request_runs_under(tmp_path):
+    """Two requests running together on a real engine, one under adapter "sql": its seats say
+    "sql" through the snapshot's wire form, the base model's say None."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import Engine
+    from tests.lora_adapters import write_peft_adapter
+    from tests.model_dirs import SMALL_LLAMA, write_random_llama
+
+    base = write_random_llama(tmp_path / "base", seed=3, **SMALL_LLAMA)
+    adapter = write_peft_adapter(base, tmp_path / "sql", rank=4, seed=1)
+    config = EngineConfig.from_flat(
+        model=str(base), kv_cache_memory="4MiB", lora_modules=(("sql", str(adapter)),)
+    )
+    engine = Engine(config)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("tuned", [5, 6, 7], params, lora="sql")
+    engine.add_request("plain", [8, 9, 10], params)
+    engine.step()
+    snap = BatchSnapshot.decode(build_snapshot(engine, "w1", "base", full_ids=True).encode())
+    assert {(s.id, s.phase, s.adapter) for s in snap.seats} == {
+        ("tuned", "decode", "sql"),
+        ("plain", "decode", None),
+    }

@@ -16,10 +16,12 @@ from generation.block_hash import prompt_block_hashes, summary_hash
 from protocol import Keys, ModelCard, RequestMessage
 from protocol.queue import Queue, encode_entry, entry_cost
 from protocol.queue.placement import (
+    ADAPTERS_FIELD,
     BLOCK_SIZE_FIELD,
     ROOM_FIELD,
     WAITING_FIELD,
     SummaryUpdate,
+    adapters_value,
 )
 from tests.service.helpers import MODEL
 from worker.redis_io import STEAL_CHECK_S, EntryRef, Outbox, PublishResult, WorkerRedis
@@ -30,8 +32,9 @@ BLOCK = 4
 STEAL_MS = 300
 
 
-def message(request_id: str, prompt: list[int]) -> RequestMessage:
-    return RequestMessage(request_id, MODEL, prompt, {}, KEYS.replies("gw"), "gw", time.time())
+def message(request_id: str, prompt: list[int], lora: str | None = None) -> RequestMessage:
+    reply_to = KEYS.replies("gw")
+    return RequestMessage(request_id, MODEL, prompt, {}, reply_to, "gw", time.time(), lora=lora)
 
 
 def worker(server, worker_id: str) -> WorkerRedis:
@@ -42,10 +45,18 @@ def worker(server, worker_id: str) -> WorkerRedis:
     return io
 
 
-def summarize(io: WorkerRedis, prompt: list[int], room: int = 4, waiting: int = 0) -> None:
-    """What the worker's publish sends once it has computed `prompt` (its full blocks)."""
+def summarize(
+    io: WorkerRedis,
+    prompt: list[int],
+    room: int = 4,
+    waiting: int = 0,
+    adapters: tuple[str, ...] = (),
+) -> None:
+    """What the worker's publish sends once it has computed `prompt` (its full blocks), with
+    `adapters` resident."""
     hashes = [summary_hash(h) for h in prompt_block_hashes(prompt, BLOCK)]
-    load = {ROOM_FIELD: room, WAITING_FIELD: waiting, BLOCK_SIZE_FIELD: BLOCK}
+    load: dict[str, int | str] = {ROOM_FIELD: room, WAITING_FIELD: waiting}
+    load |= {BLOCK_SIZE_FIELD: BLOCK, ADAPTERS_FIELD: adapters_value(adapters)}
     update = SummaryUpdate(io.summary_key, 5000, reset=True, added=hashes, load=load)
     assert io.publish(Outbox(summary=update)) is PublishResult.APPLIED
 
@@ -84,12 +95,29 @@ async def test_a_conversation_is_placed_on_the_worker_holding_it(redis_server, m
     assert stream == KEYS.requests(MODEL, worker="w1")
     stream, _ = await monitor.place(message("new", list(range(100, 120))), Queue(), cost=30)
     assert stream == KEYS.requests(MODEL)
-    assert outcomes(monitor) == {"hit": 1, "no_hit": 1, "busy": 0}
+    assert outcomes(monitor) == {"hit": 1, "no_hit": 1, "busy": 0, "adapter": 0}
     # w2 reads only the shared entry; w1, its own
     assert [e.queue for e in w2.read_requests(4, None)] == [KEYS.requests(MODEL)]
     own = w1.read_requests(4, None)
     assert [e.queue for e in own] == [KEYS.requests(MODEL, worker="w1")]
     assert w1.placement_outcome(own[0].queue) == "own"
+
+
+async def test_a_request_under_an_adapter_goes_to_a_worker_holding_it(redis_server, monitor):
+    """LOOKUP finds the adapter in the summaries' adapter field: a prompt shorter than a block
+    is placed on the worker holding it resident, never on one holding only a name it contains;
+    an adapter every worker holds places as the base model does."""
+    w1, w2 = worker(redis_server, "w1"), worker(redis_server, "w2")
+    summarize(w1, [], adapters=("sql-v2", "chat"))
+    summarize(w2, [], adapters=("sql",))
+    stream, _ = await monitor.place(message("s", [1, 2], lora="sql"), Queue(), cost=2)
+    assert stream == KEYS.requests(MODEL, worker="w2")
+    stream, _ = await monitor.place(message("c", [1, 2], lora="chat"), Queue(), cost=2)
+    assert stream == KEYS.requests(MODEL, worker="w1")
+    summarize(w2, [], adapters=("chat", "sql"))
+    stream, _ = await monitor.place(message("c2", [1, 2], lora="chat"), Queue(), cost=2)
+    assert stream == KEYS.requests(MODEL)
+    assert outcomes(monitor) == {"hit": 0, "no_hit": 1, "busy": 0, "adapter": 2}
 
 
 async def test_a_busy_holder_gets_no_short_hit(redis_server, monitor):

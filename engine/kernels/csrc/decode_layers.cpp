@@ -19,8 +19,9 @@
 // out_norms, none or per layer the norms of the attention's and the MLP's outputs (Gemma);
 // scale, the attention scores'; activation, the MLP's gate (0 SiLU, 1 GELU-tanh).
 // LoRA (engine/lora/): lora_rows, per adapter group its rows of the step; lora, per group, layer
-// and matrix kLoraTensors (A, then each part's B; an empty A: no update); lora_ints, per group,
-// layer and matrix kLoraInts (parts, then each part's column start and rank start).
+// and matrix a slot of kLoraSlotTensors (ops.h: A, each part's B and their int8 scales; an
+// empty A: no update); lora_ints, per group,
+// layer and matrix kLoraSlotInts (parts, then each part's column start and rank start).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,8 +43,6 @@ constexpr int64_t kMaxParts = 3;  // Q, K, V
 constexpr int64_t kTensorsPerMatrix = 1 + kMaxParts;
 constexpr int64_t kIntsPerMatrix = 2 + 2 * kMaxParts;
 constexpr int64_t kTensorsPerLayer = kVectors + kMatrices * kTensorsPerMatrix;
-constexpr int64_t kLoraTensors = 1 + kMaxParts;
-constexpr int64_t kLoraInts = 1 + 2 * kMaxParts;
 
 // A step's LoRA updates: each group's rows and its tensors and ints per layer and matrix.
 struct Lora {
@@ -54,10 +53,8 @@ struct Lora {
   void add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t matrix) const {
     for (size_t g = 0; g < rows.size(); ++g) {
       const int64_t i = (static_cast<int64_t>(g) * layers + layer) * kMatrices + matrix;
-      const at::Tensor* t = tensors.data() + i * kLoraTensors;
-      if (t[0].numel() == 0) continue;
-      const int64_t* m = ints.data() + i * kLoraInts;
-      lora_add_(y, x, rows[g], t[0], at::TensorList(t + 1, m[0]), at::IntArrayRef(m + 1, 2 * m[0]));
+      lora_add_slot(y, x, rows[g], tensors.data() + i * kLoraSlotTensors,
+                    ints.data() + i * kLoraSlotInts);
     }
   }
 };
@@ -105,9 +102,9 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
   TORCH_CHECK(activation == 0 || activation == 1, op, ": activation ", activation,
               " is neither 0 (SiLU) nor 1 (GELU-tanh)");
   const int64_t G = static_cast<int64_t>(lora_rows.size());
-  TORCH_CHECK(static_cast<int64_t>(lora.size()) == G * L * kMatrices * kLoraTensors &&
-                  static_cast<int64_t>(lora_ints.size()) == G * L * kMatrices * kLoraInts,
-              op, ": LoRA tensors and ints must be ", kLoraTensors, " and ", kLoraInts,
+  TORCH_CHECK(static_cast<int64_t>(lora.size()) == G * L * kMatrices * kLoraSlotTensors &&
+                  static_cast<int64_t>(lora_ints.size()) == G * L * kMatrices * kLoraSlotInts,
+              op, ": LoRA tensors and ints must be ", kLoraSlotTensors, " and ", kLoraSlotInts,
               " per group, layer and matrix");
   const Lora adapters{lora_rows, lora, lora_ints, L};
   const int64_t T = x.size(0), H = num_heads, D = kv.size(5);

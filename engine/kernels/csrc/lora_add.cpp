@@ -1,11 +1,14 @@
 // jitney::lora_add_: one LoRA adapter's low-rank update added to a projection's output, for the
 // rows of the step that run under it.
 //
-//   y[t, start_p : start_p + out_p] += b_p.T @ (a @ x[t])[rank_start_p : rank_start_p + r_p]
+//   y[t, start_p : start_p + out_p] += b_p.T @ (x[t] @ a)[rank_start_p : rank_start_p + r_p]
 //
 // for each row t in `rows` and each part p (a fused projection's parts: Q, K, V or gate, up; each
-// part's b is PEFT's B transposed, [r_p, out_p]). a [R, K] and the b's are float16 (half an adapter's float32 bytes:
-// a decode step reads them all, beside the base's 4-bit blocks) or float32; x and y float32.
+// part's b is PEFT's B transposed, [r_p, out_p]; a is the parts' A stacked and transposed,
+// [K, R], R padded with zero columns to a multiple of 16). a and the b's are int8 with a float32
+// scale per rank (`scales`: a's [R], then each b's [r_p]), a quarter of an adapter's float32
+// bytes, since a decode step reads every one of them beside the base's 4-bit blocks and the
+// reading is what it costs; or float32, without scales. x and y float32.
 // The quantized forward calls it per projection (engine/lora/), and llama_decode_layers_ after
 // each of its matrices, without Python between.
 
@@ -23,67 +26,98 @@
 namespace jitney_kernels {
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+inline __m256 load8(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 inline float load1(const float* p) { return *p; }
-inline float load1(const at::Half* p) { return static_cast<float>(*p); }
-
-// w (a weight row, float16 or float32) . v (float32), n elements.
-template <typename W>
-float dot(const W* w, const float* v, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(v + i), acc0);
-    acc1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(v + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(v + i), acc0);
-  float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += load1(w + i) * v[i];
-  return s;
-}
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
 
 constexpr int64_t kChunk = 32;  // outputs a task of the B loop computes
-// Up to this many multiply-adds one thread is faster than two. Past it two are (measured: a
-// decode row's four updates of a rank-16 SmolLM2 adapter, 18k-70k each, run 1.4x faster on two
-// threads than on one; the updates are bound by reading the weights).
-constexpr int64_t kOneThreadWork = 16384;
+// Up to this many multiply-adds one thread is faster than two: inside the one-call decode op a
+// rank-16 SmolLM2 adapter's 120 updates of a row (18k-70k each) cost 0.8 ms a step on one
+// thread, 1.3 ms on two (a parallel region's start and barriers cost more than the half).
+constexpr int64_t kOneThreadWork = 262144;
+
+constexpr int64_t kRankTile = 16;  // a's columns (padded to a multiple: lay_out's job)
+constexpr int64_t kRowTile = 4;    // rows of x a task of the a loop takes at once
+constexpr int64_t kWidenRows = 4;  // rows from which a chunk of b is widened once for all
+constexpr int64_t kMaxRank = 1024;  // a part's rank (the engine's --max-lora-rank is checked)
+
+// Q rows' low-rank activations for sixteen columns of a^T (float32 out,
+// row stride `stride`; `scale`: the columns' int8 scales, or null): each input's sixteen
+// weights loaded once, broadcast against Q rows.
+template <typename W, int Q>
+inline void a_tile(const W* col, const float* scale, int64_t R, const float* xs, int64_t K,
+                   const int64_t* rows, float* out, int64_t stride) {
+  const float* xr[Q];
+  for (int q = 0; q < Q; ++q) xr[q] = xs + rows[q] * K;
+  __m256 acc[Q][2];
+  for (int q = 0; q < Q; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, col += R) {
+    const __m256 a0 = load8(col), a1 = load8(col + 8);
+    for (int q = 0; q < Q; ++q) {
+      const __m256 xb = _mm256_broadcast_ss(xr[q] + k);
+      acc[q][0] = _mm256_fmadd_ps(xb, a0, acc[q][0]);
+      acc[q][1] = _mm256_fmadd_ps(xb, a1, acc[q][1]);
+    }
+  }
+  if (scale != nullptr) {  // int8 columns: each column's scale, once per sum
+    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    for (int q = 0; q < Q; ++q) {
+      acc[q][0] = _mm256_mul_ps(acc[q][0], s0);
+      acc[q][1] = _mm256_mul_ps(acc[q][1], s1);
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    _mm256_storeu_ps(out + q * stride, acc[q][0]);
+    _mm256_storeu_ps(out + q * stride + 8, acc[q][1]);
+  }
+}
 
 // One OpenMP region per call (a decode step makes four per layer): the low-rank activations
-// a @ x[t] first, then, after the loop's barrier, every part's outputs as one flat range.
+// x[t] @ a first, then, after the loop's barrier, every part's outputs in chunks of kChunk.
+// a is kept transposed, [in, R]: a task broadcasts each of four rows' inputs against sixteen
+// neighbouring columns of a (eight accumulators, no horizontal sums), so a's weights are read
+// once per four rows; a chunk of b is widened to float32 once and used for every row.
 template <typename W>
 void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
-            const at::Tensor& a, at::TensorList b, at::IntArrayRef starts) {
-  const int64_t R = a.size(0), K = a.size(1), N = y.size(1);
+            const at::Tensor& a, at::TensorList b, at::TensorList scales, at::IntArrayRef starts) {
+  const bool scaled = !scales.empty();
+  const float* a_scale = scaled ? scales[0].data_ptr<float>() : nullptr;
+  const int64_t K = a.size(0), R = a.size(1), N = y.size(1);
   const int64_t P = static_cast<int64_t>(b.size());
-  const W* aw = a.data_ptr<W>();
+  const W* at_ = a.data_ptr<W>();
   const float* xs = x.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  std::vector<float> low(static_cast<size_t>(n * R));
-  int64_t chunks = 0, work = n * R * K;
+  int64_t chunks = 0, work = n * R * K, max_rank = 0;
   for (int64_t p = 0; p < P; ++p) {
     chunks += (b[p].size(1) + kChunk - 1) / kChunk;
     work += n * b[p].numel();
+    max_rank = std::max(max_rank, b[p].size(0));
   }
+  const int64_t rank_tiles = R / kRankTile, row_tiles = (n + kRowTile - 1) / kRowTile;
   const int threads = work < kOneThreadWork ? 1 : at::get_num_threads();
+  std::vector<float> low(static_cast<size_t>(n * R));
 #pragma omp parallel num_threads(threads)
   {
+    std::vector<float> wide(static_cast<size_t>(max_rank * kChunk));
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n * R; ++i) {
-      low[i] = dot(aw + (i % R) * K, xs + rows[i / R] * K, K);
+    for (int64_t task = 0; task < rank_tiles * row_tiles; ++task) {
+      const int64_t r0 = (task % rank_tiles) * kRankTile, j0 = (task / rank_tiles) * kRowTile;
+      const float* scale = a_scale ? a_scale + r0 : nullptr;
+      if (n - j0 >= kRowTile) {
+        a_tile<W, kRowTile>(at_ + r0, scale, R, xs, K, rows + j0, low.data() + j0 * R + r0, R);
+      } else {
+        for (int64_t j = j0; j < n; ++j) {
+          a_tile<W, 1>(at_ + r0, scale, R, xs, K, rows + j, low.data() + j * R + r0, R);
+        }
+      }
     }
     // Each part's b is kept transposed, [r, out]: a chunk of outputs takes one broadcast
-    // low-rank activation times neighbouring weights (no horizontal sums), 32 at a time (a
-    // cache line of float16 weights per rank).
+    // low-rank activation (its int8 scale folded in) times neighbouring weights, no horizontal
+    // sums. With several rows the chunk is widened to float32 once, for all of them.
 #pragma omp for schedule(static)
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       int64_t p = 0, c = chunk;
@@ -94,8 +128,22 @@ void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
       const int64_t width = std::min<int64_t>(kChunk, out - o);
       const int64_t start = starts[2 * p], rank_start = starts[2 * p + 1];
       const W* bt = b[p].data_ptr<W>() + o;
+      const float* b_scale = scaled ? scales[1 + p].data_ptr<float>() : nullptr;
+      const bool widened = n >= kWidenRows && width == kChunk;
+      float* wb = wide.data();  // [r, kChunk]
+      if (widened) {
+        for (int64_t k = 0; k < r; ++k) {
+          for (int64_t v = 0; v < kChunk; v += 8) {
+            _mm256_storeu_ps(wb + k * kChunk + v, load8(bt + k * out + v));
+          }
+        }
+      }
       for (int64_t j = 0; j < n; ++j) {
-        const float* lj = low.data() + j * R + rank_start;
+        float lj[kMaxRank];  // row j's low-rank activations of this part, each rank's scale in
+        for (int64_t k = 0; k < r; ++k) {
+          const float v = low[j * R + rank_start + k];
+          lj[k] = b_scale ? v * b_scale[k] : v;
+        }
         float* yj = ys + rows[j] * N + start + o;
         if (width == kChunk) {
           __m256 acc[kChunk / 8];
@@ -103,7 +151,9 @@ void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
           for (int64_t k = 0; k < r; ++k) {
             const __m256 lk = _mm256_set1_ps(lj[k]);
             for (int64_t v = 0; v < kChunk / 8; ++v) {
-              acc[v] = _mm256_fmadd_ps(lk, load8(bt + k * out + 8 * v), acc[v]);
+              const __m256 w = widened ? _mm256_loadu_ps(wb + k * kChunk + 8 * v)
+                                       : load8(bt + k * out + 8 * v);
+              acc[v] = _mm256_fmadd_ps(lk, w, acc[v]);
             }
           }
           for (int64_t v = 0; v < kChunk / 8; ++v) _mm256_storeu_ps(yj + 8 * v, acc[v]);
@@ -122,15 +172,16 @@ void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
 }  // namespace
 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
-               at::TensorList b, at::IntArrayRef starts) {
+               at::TensorList b, at::TensorList scales, at::IntArrayRef starts) {
   const char* op = "lora_add_";
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), op,
               ": y and x must be [T, out] and [T, in]");
   TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
                   y.is_contiguous() && x.is_contiguous(),
               op, ": y and x must be contiguous float32");
-  TORCH_CHECK(a.dim() == 2 && a.size(1) == x.size(1) && a.is_contiguous(), op,
-              ": a must be contiguous [R, in]");
+  TORCH_CHECK(a.dim() == 2 && a.size(0) == x.size(1) && a.size(1) % kRankTile == 0 &&
+                  a.is_contiguous(),
+              op, ": a must be contiguous [in, R], R a multiple of ", kRankTile);
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, op, ": rows must be int64 [n]");
   TORCH_CHECK(starts.size() == 2 * b.size(), op, ": one (start, rank start) per part");
   const int64_t n = rows.numel();
@@ -141,20 +192,57 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const
   }
   for (size_t p = 0; p < b.size(); ++p) {
     const at::Tensor& bp = b[p];
+    TORCH_CHECK(bp.dim() == 2 && bp.size(0) <= kMaxRank, op, ": a part's rank is at most ",
+                kMaxRank);
     TORCH_CHECK(bp.dim() == 2 && bp.is_contiguous() && bp.scalar_type() == a.scalar_type(), op,
                 ": each b must be contiguous [r, out] in a's dtype");
     TORCH_CHECK(starts[2 * p] >= 0 && starts[2 * p] + bp.size(1) <= y.size(1) &&
-                    starts[2 * p + 1] >= 0 && starts[2 * p + 1] + bp.size(0) <= a.size(0),
+                    starts[2 * p + 1] >= 0 && starts[2 * p + 1] + bp.size(0) <= a.size(1),
                 op, ": part ", p, " lies outside y's columns or a's rank");
   }
-  if (a.scalar_type() == at::kHalf) {
-    update<at::Half>(y, x, rs, n, a, b, starts);
+  const bool int8 = a.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || a.scalar_type() == at::kFloat, op, ": a must be int8 or float32");
+  TORCH_CHECK(scales.size() == (int8 ? 1 + b.size() : 0), op,
+              ": int8 weights take a scale tensor for a and each b, float32 ones none");
+  for (size_t i = 0; i < scales.size(); ++i) {
+    const int64_t want = i == 0 ? a.size(1) : b[i - 1].size(0);
+    TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
+                    scales[i].numel() == want,
+                op, ": scale ", i, " must be float32 [", want, "]");
+  }
+  if (int8) {
+    update<int8_t>(y, x, rs, n, a, b, scales, starts);
   } else {
-    TORCH_CHECK(a.scalar_type() == at::kFloat, op, ": a must be float16 or float32");
-    update<float>(y, x, rs, n, a, b, starts);
+    update<float>(y, x, rs, n, a, b, scales, starts);
+  }
+}
+
+void lora_add_slot(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+                   const at::Tensor* t, const int64_t* m) {
+  if (t[0].numel() == 0) return;  // an unused slot
+  const int64_t parts = m[0];
+  TORCH_CHECK(parts >= 1 && parts <= kLoraMaxParts, "lora slot: ", parts, " parts");
+  const int64_t scales = t[1 + kLoraMaxParts].numel() > 0 ? 1 + parts : 0;  // int8 ones only
+  lora_add_(y, x, rows, t[0], at::TensorList(t + 1, parts),
+            at::TensorList(t + 1 + kLoraMaxParts, scales), at::IntArrayRef(m + 1, 2 * parts));
+}
+
+void lora_add_slots_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList lora,
+                     at::IntArrayRef lora_ints) {
+  const int64_t G = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(static_cast<int64_t>(lora.size()) == G * kLoraSlotTensors &&
+                  static_cast<int64_t>(lora_ints.size()) == G * kLoraSlotInts,
+              "lora_add_slots_: ", kLoraSlotTensors, " tensors and ", kLoraSlotInts,
+              " ints per group");
+  for (int64_t g = 0; g < G; ++g) {
+    lora_add_slot(y, x, rows[g], lora.data() + g * kLoraSlotTensors,
+                  lora_ints.data() + g * kLoraSlotInts);
   }
 }
 
 }  // namespace jitney_kernels
 
-TORCH_LIBRARY_IMPL(jitney, CPU, m) { m.impl("lora_add_", &jitney_kernels::lora_add_); }
+TORCH_LIBRARY_IMPL(jitney, CPU, m) {
+  m.impl("lora_add_", &jitney_kernels::lora_add_);
+  m.impl("lora_add_slots_", &jitney_kernels::lora_add_slots_);
+}

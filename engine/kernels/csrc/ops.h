@@ -28,8 +28,17 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
                    int64_t window, at::Tensor& out);
 
-// lora_add.cpp: one adapter's low-rank update of a projection, added to its rows of y.
+// lora_add.cpp: one adapter's low-rank update of a projection, added to its rows of y; as a
+// slot (kLoraSlotTensors tensors: a, each part's b and the scales, padded to kLoraMaxParts;
+// kLoraSlotInts ints: the part count and each part's starts); every group's slot in one call.
+constexpr int64_t kLoraMaxParts = 3;  // Q, K, V
+constexpr int64_t kLoraSlotTensors = 2 * (1 + kLoraMaxParts);
+constexpr int64_t kLoraSlotInts = 1 + 2 * kLoraMaxParts;
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
-               at::TensorList b, at::IntArrayRef starts);
+               at::TensorList b, at::TensorList scales, at::IntArrayRef starts);
+void lora_add_slot(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+                   const at::Tensor* t, const int64_t* m);
+void lora_add_slots_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList lora,
+                     at::IntArrayRef lora_ints);
 
 }  // namespace jitney_kernels

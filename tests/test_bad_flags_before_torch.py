@@ -80,7 +80,7 @@ WORKER = ["worker", *TINY, "--metrics-port", "0"]
         (["up", *TINY, "--lora-modules", '{"name": "a", "path": "/a", "x": 1}'], "key(s) 'x'"),
         (["up", *TINY, "--lora-modules", "a=/x", "a=/y"], "names 'a' more than once"),
         ([*WORKER, "--lora-modules", "a=/x", "a=/y"], "names 'a' more than once"),
-        ([*WORKER, "--max-lora-rank", "0"], "'0' is not a whole number of at least 1"),
+        ([*WORKER, "--max-lora-rank", "0"], "must be a whole number of at least 1, not '0'"),
     ],
     ids=["worker-item", "generate-json", "up-json-key", "up-twice", "worker-twice", "rank"],
 )

@@ -16,6 +16,7 @@ from jitney.commands.engine_args import (
     engine_args_to_argv,
     engine_config_from_args,
 )
+from jitney.commands.flag_types import positive_int
 
 DEFAULT_MIXED = "../shared/traces/mixed-64.json"
 
@@ -32,7 +33,7 @@ def add_busy_arguments(sub: argparse._SubParsersAction) -> None:
         'process spinning on a CPU (python -c "while True: pass"), in rounds; prints each '
         "case's median tokens/s and busy/quiet ratio, and writes them as JSON.",
     )
-    p.add_argument("--rounds", type=_positive, default=d.rounds, help="rounds; medians")
+    p.add_argument("--rounds", type=positive_int, default=d.rounds, help="rounds; medians")
     p.add_argument(
         "--spinner-cpu",
         type=int,
@@ -53,12 +54,12 @@ def add_busy_arguments(sub: argparse._SubParsersAction) -> None:
         help=f"comma list of {', '.join(PATHS)} (the service: `jitney up` with the engine flags)",
     )
     p.add_argument("--mixed-trace", default=DEFAULT_MIXED, help="the mixed workload's trace")
-    p.add_argument("--limit", type=_positive, default=None, help="its first N requests only")
-    p.add_argument("--one-user-prompt-len", type=_positive, default=d.one_user_prompt_len)
-    p.add_argument("--one-user-tokens", type=_positive, default=d.one_user_tokens)
+    p.add_argument("--limit", type=positive_int, default=None, help="its first N requests only")
+    p.add_argument("--one-user-prompt-len", type=positive_int, default=d.one_user_prompt_len)
+    p.add_argument("--one-user-tokens", type=positive_int, default=d.one_user_tokens)
     p.add_argument(
         "--max-tokens",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="cap every request's output tokens (a quick run)",
     )
@@ -82,16 +83,6 @@ def add_busy_arguments(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output", default="bench-busy.json", help="results JSON")
     add_engine_arguments(p)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
-    return value
 
 
 def _choices(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:

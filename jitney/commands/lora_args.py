@@ -11,6 +11,8 @@ import argparse
 import json
 from typing import Any, NamedTuple
 
+from jitney.commands.flag_types import positive_int
+
 # vLLM's JSON item's keys; anything else is refused by name rather than dropped.
 JSON_KEYS = frozenset({"name", "path", "base_model_name"})
 
@@ -61,16 +63,6 @@ def _checked(name: str, path: str) -> LoraModule:
     if "=" in name or any(c.isspace() for c in name):
         raise argparse.ArgumentTypeError(f"adapter name {name!r} holds '=' or whitespace")
     return LoraModule(name, path)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return value
 
 
 def add_lora_arguments(g: argparse._ArgumentGroup, defaults: dict[str, object]) -> None:

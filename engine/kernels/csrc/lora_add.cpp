@@ -41,7 +41,7 @@ constexpr int64_t kChunk = 32;  // outputs a task of the B loop computes
 constexpr int64_t kOneThreadWork = 262144;
 
 constexpr int64_t kRankTile = 16;  // a's columns (padded to a multiple: lay_out's job)
-constexpr int64_t kRowTile = 4;    // rows of x a task of the a loop takes at once
+constexpr int64_t kRowTile = 6;    // rows of x a task of the a loop takes at once (12 sums)
 constexpr int64_t kWidenRows = 4;  // rows from which a chunk of b is widened once for all
 constexpr int64_t kMaxRank = 1024;  // a part's rank (the engine's --max-lora-rank is checked)
 
@@ -76,6 +76,40 @@ inline void a_tile(const W* col, const float* scale, int64_t R, const float* xs,
   }
 }
 
+// `count` (1 to kRowTile) rows' a_tile, the row count a compile-time constant.
+template <typename W>
+void a_rows(const W* col, const float* scale, int64_t R, const float* xs, int64_t K,
+            const int64_t* rows, int64_t count, float* out) {
+  switch (count) {
+    case 6: return a_tile<W, 6>(col, scale, R, xs, K, rows, out, R);
+    case 5: return a_tile<W, 5>(col, scale, R, xs, K, rows, out, R);
+    case 4: return a_tile<W, 4>(col, scale, R, xs, K, rows, out, R);
+    case 3: return a_tile<W, 3>(col, scale, R, xs, K, rows, out, R);
+    case 2: return a_tile<W, 2>(col, scale, R, xs, K, rows, out, R);
+    default: return a_tile<W, 1>(col, scale, R, xs, K, rows, out, R);
+  }
+}
+
+// Q rows' outputs of one full chunk: each of b's widened weights (wb, [r, kChunk]) loaded once
+// for all Q rows; lj[q]: row q's low-rank activations, scaled.
+template <int Q>
+inline void b_rows(const float* wb, int64_t r, const float* const* lj, float* const* yj) {
+  constexpr int V = kChunk / 8;
+  __m256 acc[Q][V];
+  for (int q = 0; q < Q; ++q) {
+    for (int v = 0; v < V; ++v) acc[q][v] = _mm256_loadu_ps(yj[q] + 8 * v);
+  }
+  for (int64_t k = 0; k < r; ++k) {
+    for (int v = 0; v < V; ++v) {
+      const __m256 w = _mm256_loadu_ps(wb + k * kChunk + 8 * v);
+      for (int q = 0; q < Q; ++q) acc[q][v] = _mm256_fmadd_ps(_mm256_set1_ps(lj[q][k]), w, acc[q][v]);
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(yj[q] + 8 * v, acc[q][v]);
+  }
+}
+
 // One OpenMP region per call (a decode step makes four per layer): the low-rank activations
 // x[t] @ a first, then, after the loop's barrier, every part's outputs in chunks of kChunk.
 // a is kept transposed, [in, R]: a task broadcasts each of four rows' inputs against sixteen
@@ -107,13 +141,8 @@ void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
     for (int64_t task = 0; task < rank_tiles * row_tiles; ++task) {
       const int64_t r0 = (task % rank_tiles) * kRankTile, j0 = (task / rank_tiles) * kRowTile;
       const float* scale = a_scale ? a_scale + r0 : nullptr;
-      if (n - j0 >= kRowTile) {
-        a_tile<W, kRowTile>(at_ + r0, scale, R, xs, K, rows + j0, low.data() + j0 * R + r0, R);
-      } else {
-        for (int64_t j = j0; j < n; ++j) {
-          a_tile<W, 1>(at_ + r0, scale, R, xs, K, rows + j, low.data() + j * R + r0, R);
-        }
-      }
+      a_rows<W>(at_ + r0, scale, R, xs, K, rows + j0, std::min(kRowTile, n - j0),
+                low.data() + j0 * R + r0);
     }
     // Each part's b is kept transposed, [r, out]: a chunk of outputs takes one broadcast
     // low-rank activation (its int8 scale folded in) times neighbouring weights, no horizontal
@@ -138,29 +167,48 @@ void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
           }
         }
       }
-      for (int64_t j = 0; j < n; ++j) {
-        float lj[kMaxRank];  // row j's low-rank activations of this part, each rank's scale in
+      // Row j's low-rank activations of this part, each rank's scale in.
+      auto activations = [&](int64_t j, float* lj) {
         for (int64_t k = 0; k < r; ++k) {
           const float v = low[j * R + rank_start + k];
           lj[k] = b_scale ? v * b_scale[k] : v;
         }
+      };
+      float lj[2][kMaxRank];
+      if (widened) {  // two rows a pass: each loaded weight serves both
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2) {
+          activations(j, lj[0]);
+          activations(j + 1, lj[1]);
+          const float* l[2] = {lj[0], lj[1]};
+          float* yj[2] = {ys + rows[j] * N + start + o, ys + rows[j + 1] * N + start + o};
+          b_rows<2>(wb, r, l, yj);
+        }
+        if (j < n) {
+          activations(j, lj[0]);
+          const float* l[1] = {lj[0]};
+          float* yj[1] = {ys + rows[j] * N + start + o};
+          b_rows<1>(wb, r, l, yj);
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        activations(j, lj[0]);
         float* yj = ys + rows[j] * N + start + o;
         if (width == kChunk) {
           __m256 acc[kChunk / 8];
           for (int64_t v = 0; v < kChunk / 8; ++v) acc[v] = _mm256_loadu_ps(yj + 8 * v);
           for (int64_t k = 0; k < r; ++k) {
-            const __m256 lk = _mm256_set1_ps(lj[k]);
+            const __m256 lk = _mm256_set1_ps(lj[0][k]);
             for (int64_t v = 0; v < kChunk / 8; ++v) {
-              const __m256 w = widened ? _mm256_loadu_ps(wb + k * kChunk + 8 * v)
-                                       : load8(bt + k * out + 8 * v);
-              acc[v] = _mm256_fmadd_ps(lk, w, acc[v]);
+              acc[v] = _mm256_fmadd_ps(lk, load8(bt + k * out + 8 * v), acc[v]);
             }
           }
           for (int64_t v = 0; v < kChunk / 8; ++v) _mm256_storeu_ps(yj + 8 * v, acc[v]);
         } else {
           for (int64_t q = 0; q < width; ++q) {
             float acc = 0.f;
-            for (int64_t k = 0; k < r; ++k) acc += lj[k] * load1(bt + k * out + q);
+            for (int64_t k = 0; k < r; ++k) acc += lj[0][k] * load1(bt + k * out + q);
             yj[q] += acc;
           }
         }

@@ -22,20 +22,8 @@ from typing import Any
 import torch
 
 from engine.errors import AdapterLoadError
+from protocol.lora_manifest import PROJECTIONS, peft_config_problem, peft_key, uncovered
 
-# The projections an adapter may target: PEFT's module name -> llama.cpp's tensor name.
-PROJECTIONS = {
-    "q_proj": "attn_q",
-    "k_proj": "attn_k",
-    "v_proj": "attn_v",
-    "qkv_proj": "attn_qkv",
-    "o_proj": "attn_output",
-    "gate_proj": "ffn_gate",
-    "up_proj": "ffn_up",
-    "gate_up_proj": "ffn_up",  # Phi-3 stores its fused gate/up under llama.cpp's ffn_up
-    "down_proj": "ffn_down",
-}
-_PEFT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
 # Architectures whose Q and K rows llama.cpp's converter permuted (B's rows, for an adapter).
 _PERMUTED_ARCHS = ("llama", "smollm3")
@@ -89,13 +77,10 @@ def _read_peft(directory: Path) -> dict[tuple[int, str], LowRankPair]:
     tensors = _peft_tensors(directory)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        match = _PEFT_KEY.search(key)
-        if match is None or match.group(2) not in PROJECTIONS:
-            raise AdapterLoadError(
-                f"LoRA adapter {str(directory)!r}: {_module_of(key)!r} is not a module Jitney's "
-                f"adapters cover (covered: {', '.join(PROJECTIONS)})"
-            )
-        layer, module, half = int(match.group(1)), match.group(2), match.group(3)
+        found = peft_key(key)
+        if found is None:
+            raise AdapterLoadError(f"LoRA adapter {str(directory)!r}: {uncovered(key)}")
+        layer, module, half = found
         halves.setdefault((layer, module), {})[half] = value.float()
     pairs = {}
     for (layer, module), ab in halves.items():
@@ -113,27 +98,9 @@ def _peft_config(directory: Path) -> dict[str, Any]:
         raise AdapterLoadError(
             f"LoRA adapter {str(directory)!r}: cannot read {file.name}: {e}"
         ) from None
-    if not isinstance(config, dict):
-        raise AdapterLoadError(f"LoRA adapter {str(directory)!r}: {file.name} is not an object")
-    kind = config.get("peft_type", "LORA")
-    if kind != "LORA":
-        raise AdapterLoadError(f"{str(directory)!r} is a {kind} adapter, not a LoRA one")
-    refused = {
-        "use_dora": "DoRA",
-        "modules_to_save": "modules_to_save",
-        "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
-    }
-    for field, what in refused.items():
-        if config.get(field):
-            raise AdapterLoadError(
-                f"LoRA adapter {str(directory)!r}: {what} is not supported "
-                f"({field} = {config[field]!r})"
-            )
-    if config.get("bias", "none") != "none":
-        raise AdapterLoadError(
-            f"LoRA adapter {str(directory)!r}: trained biases are not supported "
-            f"(bias = {config['bias']!r})"
-        )
+    problem = peft_config_problem(config)
+    if problem is not None:
+        raise AdapterLoadError(f"LoRA adapter {str(directory)!r}: {problem}")
     return config
 
 
@@ -229,9 +196,3 @@ def _both(
             "are not a low-rank pair"
         )
     return ta, tb
-
-
-def _module_of(key: str) -> str:
-    """A tensor key without PEFT's prefixes and its LoRA suffix: the module it belongs to."""
-    name = key.removeprefix("base_model.model.")
-    return re.sub(r"\.(base_layer|lora_\w+|weight|bias)(\.\w+)*$", "", name) or key

@@ -4,7 +4,9 @@ adapters registered for the whole fleet at runtime (protocol/lora_registry.py).
 Served only with `--enable-lora-runtime-updates` and API keys (with auth off they are not
 routes at all: 404), and then only to keys with role=admin (403). An adapter's path must lie
 under `--lora-root` once symlinks are resolved (400), so a key cannot make workers read any
-other file. Loading registers the adapter: every gateway lists it, and every worker of its base
+other file, and its files must hold what a worker serves (protocol/lora_manifest.py: a LoRA
+config without DoRA or modules_to_save, tensors of covered projections only; 400, naming what
+is not). Loading registers the adapter: every gateway lists it, and every worker of its base
 model loads it within a second (worker/adapter_watch.py); a request naming it that reaches a
 worker first has the worker poll at once. The adapters workers were started with
 (`--lora-modules`) cannot be unloaded here.
@@ -12,6 +14,7 @@ worker first has the worker poll at once. The adapters workers were started with
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from gateway.openai.generation_fields import MAX_MODEL_NAME_CHARS
 from gateway.openai.validation import parse_json
 from gateway.serving.gateway_state import Gateway
 from gateway.serving.served_models import ServedModel
+from protocol.lora_manifest import manifest_problem
 from protocol.lora_registry import RegisteredAdapter
 
 MAX_PATH_CHARS = 4096
@@ -42,6 +46,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     base = _base_model(models, body.get("base_model_name"))
     if any(name == m.name or name in m.adapter_names for m in models):
         raise bad_request("A model or LoRA adapter of that name is served already.", "lora_name")
+    problem = await asyncio.to_thread(manifest_problem, path)  # a file read: off the loop
+    if problem is not None:  # what every worker would refuse, refused here, by name
+        raise bad_request(f"The adapter at 'lora_path' cannot be served: {problem}.", "lora_path")
     entry = RegisteredAdapter(str(path))
     if not await gw.redis.hsetnx(gw.keys.lora_adapters(base.name), name, entry.encode()):
         raise bad_request("A LoRA adapter of that name is loaded already.", "lora_name")

@@ -1,17 +1,21 @@
 """Runtime LoRA adapters over the API (the gateway in-process, real Redis): loaded and unloaded by
 an admin key into the fleet's registry, listed in /v1/models and served on the base model's
-queue; refused to other keys (403), absent without the flag or without keys (404), and a path
-outside --lora-root (a symlink out of it too) refused (400)."""
+queue; refused to other keys (403), absent without the flag or without keys (404), a path
+outside --lora-root (a symlink out of it too) refused (400), and an adapter no worker would serve
+refused by name (400)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 from aiohttp.test_utils import TestClient
+from safetensors.numpy import save_file
 
 from gateway.config import ApiKey, parse_api_keys
 from protocol.lora_registry import read_registry
@@ -27,9 +31,24 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+
+def write_adapter(path: Path, modules: tuple[str, ...] = (Q_PROJ,), **config: Any) -> None:
+    """A PEFT adapter directory as the gateway reads it (its config, its tensors' names)."""
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    tensors = {
+        f"base_model.model.{m}.lora_{half}.weight": np.zeros((2, 2), np.float32)
+        for m in modules
+        for half in "AB"
+    }
+    save_file(tensors, path / "adapter_model.safetensors")
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    (tmp_path / "root" / "sql").mkdir(parents=True)
+    write_adapter(tmp_path / "root" / "sql")
     (tmp_path / "outside").mkdir()
     (tmp_path / "root" / "escape").symlink_to(tmp_path / "outside")
     return tmp_path / "root"
@@ -119,3 +138,25 @@ async def test_the_routes_are_404s_without_the_flag_or_without_keys(
     )
     assert response.status == 404
     assert_openai_error(await response.json())
+
+
+@pytest.mark.parametrize(
+    ("modules", "config", "named"),
+    [
+        ((Q_PROJ, "lm_head"), {}, "'lm_head' is not a module"),
+        ((Q_PROJ,), {"use_dora": True}, "DoRA is not supported"),
+        ((Q_PROJ,), {"peft_type": "IA3"}, "a IA3 adapter"),
+    ],
+    ids=["lm-head", "dora", "ia3"],
+)
+async def test_an_adapter_no_worker_would_serve_is_refused_by_name(
+    admin_client: Client, served: redis.Redis, root: Path, modules, config, named
+) -> None:
+    write_adapter(root / "odd", modules, **config)
+    body = {"lora_name": "odd", "lora_path": "odd"}
+    response = await admin_client.post(LOAD, json=body, headers=bearer(ADMIN))
+    assert response.status == 400
+    error = await response.json()
+    assert_openai_error(error, param="lora_path")
+    assert named in error["error"]["message"]
+    assert not served.hgetall(KEYS.lora_adapters(MODEL))

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "ops.h"
 
@@ -51,11 +52,14 @@ struct Lora {
   int64_t layers;
 
   void add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t matrix) const {
+    if (rows.empty()) return;
+    std::vector<LoraSlot> slots;
     for (size_t g = 0; g < rows.size(); ++g) {
       const int64_t i = (static_cast<int64_t>(g) * layers + layer) * kMatrices + matrix;
-      lora_add_slot(y, x, rows[g], tensors.data() + i * kLoraSlotTensors,
-                    ints.data() + i * kLoraSlotInts);
+      slots.push_back({&rows[g], tensors.data() + i * kLoraSlotTensors,
+                       ints.data() + i * kLoraSlotInts});
     }
+    lora_add_groups(y, x, slots);  // every adapter of the step in one parallel region
   }
 };
 

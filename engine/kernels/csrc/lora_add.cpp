@@ -110,54 +110,127 @@ inline void b_rows(const float* wb, int64_t r, const float* const* lj, float* co
   }
 }
 
-// One OpenMP region per call (a decode step makes four per layer): the low-rank activations
-// x[t] @ a first, then, after the loop's barrier, every part's outputs in chunks of kChunk.
-// a is kept transposed, [in, R]: a task broadcasts each of four rows' inputs against sixteen
-// neighbouring columns of a (eight accumulators, no horizontal sums), so a's weights are read
-// once per four rows; a chunk of b is widened to float32 once and used for every row.
+// One adapter group's update of one projection, checked, with what the loops need of it.
+struct Update {
+  const int64_t* rows;
+  int64_t n, K, R;
+  const at::Tensor* a;
+  at::TensorList b, scales;
+  at::IntArrayRef starts;
+  int64_t rank_tiles, row_tiles, chunks, max_rank, work;
+  int64_t low = 0;  // where its low-rank activations start in the call's buffer
+
+  int64_t tasks() const { return rank_tiles * row_tiles; }
+};
+
+Update checked(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+               const at::Tensor& a, at::TensorList b, at::TensorList scales,
+               at::IntArrayRef starts) {
+  const char* op = "lora_add_";
+  TORCH_CHECK(a.dim() == 2 && a.size(0) == x.size(1) && a.size(1) % kRankTile == 0 &&
+                  a.is_contiguous(),
+              op, ": a must be contiguous [in, R], R a multiple of ", kRankTile);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, op, ": rows must be int64 [n]");
+  TORCH_CHECK(starts.size() == 2 * b.size(), op, ": one (start, rank start) per part");
+  const int64_t n = rows.numel();
+  const int64_t* rs = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(rs[j] >= 0 && rs[j] < y.size(0), op, ": row ", rs[j], " outside [0, ", y.size(0),
+                ")");
+  }
+  Update u{rs, n, a.size(0), a.size(1), &a, b, scales, starts, 0, 0, 0, 0, 0};
+  for (size_t p = 0; p < b.size(); ++p) {
+    const at::Tensor& bp = b[p];
+    TORCH_CHECK(bp.dim() == 2 && bp.size(0) <= kMaxRank, op, ": a part's rank is at most ",
+                kMaxRank);
+    TORCH_CHECK(bp.is_contiguous() && bp.scalar_type() == a.scalar_type(), op,
+                ": each b must be contiguous [r, out] in a's dtype");
+    TORCH_CHECK(starts[2 * p] >= 0 && starts[2 * p] + bp.size(1) <= y.size(1) &&
+                    starts[2 * p + 1] >= 0 && starts[2 * p + 1] + bp.size(0) <= a.size(1),
+                op, ": part ", p, " lies outside y's columns or a's rank");
+    u.chunks += (bp.size(1) + kChunk - 1) / kChunk;
+    u.work += n * bp.numel();
+    u.max_rank = std::max(u.max_rank, bp.size(0));
+  }
+  const bool int8 = a.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || a.scalar_type() == at::kFloat, op, ": a must be int8 or float32");
+  TORCH_CHECK(scales.size() == (int8 ? 1 + b.size() : 0), op,
+              ": int8 weights take a scale tensor for a and each b, float32 ones none");
+  for (size_t i = 0; i < scales.size(); ++i) {
+    const int64_t want = i == 0 ? a.size(1) : b[i - 1].size(0);
+    TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
+                    scales[i].numel() == want,
+                op, ": scale ", i, " must be float32 [", want, "]");
+  }
+  u.rank_tiles = u.R / kRankTile;
+  u.row_tiles = (n + kRowTile - 1) / kRowTile;
+  u.work += n * u.R * u.K;
+  return u;
+}
+
+// The group and the index within it of a flat index over the groups' counts.
+template <typename Count>
+inline const Update& locate(const std::vector<Update>& us, int64_t& i, Count count) {
+  size_t g = 0;
+  while (i >= count(us[g])) i -= count(us[g++]);
+  return us[g];
+}
+
+// Every group's update of one projection in one OpenMP region (a decode step makes four per
+// layer, whatever the number of adapters in it): the low-rank activations x[t] @ a of every
+// group first, then, after the loop's barrier, every group's outputs in chunks of kChunk.
+// a is kept transposed, [in, R]: a task broadcasts each of six rows' inputs against sixteen
+// neighbouring columns of a (twelve sums, no horizontal ones), so a's weights are read once per
+// six rows; a chunk of b is widened to float32 once and used for every row.
 template <typename W>
-void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
-            const at::Tensor& a, at::TensorList b, at::TensorList scales, at::IntArrayRef starts) {
-  const bool scaled = !scales.empty();
-  const float* a_scale = scaled ? scales[0].data_ptr<float>() : nullptr;
-  const int64_t K = a.size(0), R = a.size(1), N = y.size(1);
-  const int64_t P = static_cast<int64_t>(b.size());
-  const W* at_ = a.data_ptr<W>();
+void update(at::Tensor& y, const at::Tensor& x, std::vector<Update>& us) {
+  const int64_t N = y.size(1);
   const float* xs = x.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  int64_t chunks = 0, work = n * R * K, max_rank = 0;
-  for (int64_t p = 0; p < P; ++p) {
-    chunks += (b[p].size(1) + kChunk - 1) / kChunk;
-    work += n * b[p].numel();
-    max_rank = std::max(max_rank, b[p].size(0));
+  int64_t tasks = 0, chunks = 0, work = 0, max_rank = 0, low_size = 0;
+  for (Update& u : us) {
+    u.low = low_size;
+    low_size += u.n * u.R;
+    tasks += u.tasks();
+    chunks += u.chunks;
+    work += u.work;
+    max_rank = std::max(max_rank, u.max_rank);
   }
-  const int64_t rank_tiles = R / kRankTile, row_tiles = (n + kRowTile - 1) / kRowTile;
+  if (tasks == 0) return;
   const int threads = work < kOneThreadWork ? 1 : at::get_num_threads();
-  std::vector<float> low(static_cast<size_t>(n * R));
+  std::vector<float> low(static_cast<size_t>(low_size));
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> wide(static_cast<size_t>(max_rank * kChunk));
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < rank_tiles * row_tiles; ++task) {
-      const int64_t r0 = (task % rank_tiles) * kRankTile, j0 = (task / rank_tiles) * kRowTile;
-      const float* scale = a_scale ? a_scale + r0 : nullptr;
-      a_rows<W>(at_ + r0, scale, R, xs, K, rows + j0, std::min(kRowTile, n - j0),
-                low.data() + j0 * R + r0);
+    for (int64_t task = 0; task < tasks; ++task) {
+      int64_t i = task;
+      const Update& u = locate(us, i, [](const Update& v) { return v.tasks(); });
+      const int64_t r0 = (i % u.rank_tiles) * kRankTile, j0 = (i / u.rank_tiles) * kRowTile;
+      const float* scale = u.scales.empty() ? nullptr : u.scales[0].data_ptr<float>() + r0;
+      a_rows<W>(u.a->data_ptr<W>() + r0, scale, u.R, xs, u.K, u.rows + j0,
+                std::min(kRowTile, u.n - j0), low.data() + u.low + j0 * u.R + r0);
     }
     // Each part's b is kept transposed, [r, out]: a chunk of outputs takes one broadcast
     // low-rank activation (its int8 scale folded in) times neighbouring weights, no horizontal
     // sums. With several rows the chunk is widened to float32 once, for all of them.
 #pragma omp for schedule(static)
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      int64_t p = 0, c = chunk;
+    for (int64_t flat = 0; flat < chunks; ++flat) {
+      int64_t c = flat;
+      const Update& u = locate(us, c, [](const Update& v) { return v.chunks; });
+      const at::TensorList b = u.b;
+      const int64_t R = u.R, n = u.n;
+      const int64_t* rows = u.rows;
+      int64_t p = 0;
       while (c >= (b[p].size(1) + kChunk - 1) / kChunk) {
         c -= (b[p++].size(1) + kChunk - 1) / kChunk;
       }
       const int64_t r = b[p].size(0), out = b[p].size(1), o = c * kChunk;
       const int64_t width = std::min<int64_t>(kChunk, out - o);
-      const int64_t start = starts[2 * p], rank_start = starts[2 * p + 1];
+      const int64_t start = u.starts[2 * p], rank_start = u.starts[2 * p + 1];
       const W* bt = b[p].data_ptr<W>() + o;
-      const float* b_scale = scaled ? scales[1 + p].data_ptr<float>() : nullptr;
+      const float* b_scale = u.scales.empty() ? nullptr : u.scales[1 + p].data_ptr<float>();
+      const float* group_low = low.data() + u.low;
       const bool widened = n >= kWidenRows && width == kChunk;
       float* wb = wide.data();  // [r, kChunk]
       if (widened) {
@@ -170,7 +243,7 @@ void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
       // Row j's low-rank activations of this part, each rank's scale in.
       auto activations = [&](int64_t j, float* lj) {
         for (int64_t k = 0; k < r; ++k) {
-          const float v = low[j * R + rank_start + k];
+          const float v = group_low[j * R + rank_start + k];
           lj[k] = b_scale ? v * b_scale[k] : v;
         }
       };
@@ -217,62 +290,50 @@ void update(at::Tensor& y, const at::Tensor& x, const int64_t* rows, int64_t n,
   }
 }
 
+void check_y_x(const at::Tensor& y, const at::Tensor& x) {
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0),
+              "lora_add_: y and x must be [T, out] and [T, in]");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                  y.is_contiguous() && x.is_contiguous(),
+              "lora_add_: y and x must be contiguous float32");
+}
+
+void run(at::Tensor& y, const at::Tensor& x, std::vector<Update>& us) {
+  if (us.empty()) return;
+  const bool int8 = us[0].a->scalar_type() == at::kChar;
+  for (const Update& u : us) {
+    TORCH_CHECK((u.a->scalar_type() == at::kChar) == int8,
+                "lora_add_: one call's adapters share one weight dtype");
+  }
+  if (int8) {
+    update<int8_t>(y, x, us);
+  } else {
+    update<float>(y, x, us);
+  }
+}
+
 }  // namespace
 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
                at::TensorList b, at::TensorList scales, at::IntArrayRef starts) {
-  const char* op = "lora_add_";
-  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), op,
-              ": y and x must be [T, out] and [T, in]");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
-                  y.is_contiguous() && x.is_contiguous(),
-              op, ": y and x must be contiguous float32");
-  TORCH_CHECK(a.dim() == 2 && a.size(0) == x.size(1) && a.size(1) % kRankTile == 0 &&
-                  a.is_contiguous(),
-              op, ": a must be contiguous [in, R], R a multiple of ", kRankTile);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, op, ": rows must be int64 [n]");
-  TORCH_CHECK(starts.size() == 2 * b.size(), op, ": one (start, rank start) per part");
-  const int64_t n = rows.numel();
-  const int64_t* rs = rows.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) {
-    TORCH_CHECK(rs[j] >= 0 && rs[j] < y.size(0), op, ": row ", rs[j], " outside [0, ", y.size(0),
-                ")");
-  }
-  for (size_t p = 0; p < b.size(); ++p) {
-    const at::Tensor& bp = b[p];
-    TORCH_CHECK(bp.dim() == 2 && bp.size(0) <= kMaxRank, op, ": a part's rank is at most ",
-                kMaxRank);
-    TORCH_CHECK(bp.dim() == 2 && bp.is_contiguous() && bp.scalar_type() == a.scalar_type(), op,
-                ": each b must be contiguous [r, out] in a's dtype");
-    TORCH_CHECK(starts[2 * p] >= 0 && starts[2 * p] + bp.size(1) <= y.size(1) &&
-                    starts[2 * p + 1] >= 0 && starts[2 * p + 1] + bp.size(0) <= a.size(1),
-                op, ": part ", p, " lies outside y's columns or a's rank");
-  }
-  const bool int8 = a.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || a.scalar_type() == at::kFloat, op, ": a must be int8 or float32");
-  TORCH_CHECK(scales.size() == (int8 ? 1 + b.size() : 0), op,
-              ": int8 weights take a scale tensor for a and each b, float32 ones none");
-  for (size_t i = 0; i < scales.size(); ++i) {
-    const int64_t want = i == 0 ? a.size(1) : b[i - 1].size(0);
-    TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
-                    scales[i].numel() == want,
-                op, ": scale ", i, " must be float32 [", want, "]");
-  }
-  if (int8) {
-    update<int8_t>(y, x, rs, n, a, b, scales, starts);
-  } else {
-    update<float>(y, x, rs, n, a, b, scales, starts);
-  }
+  check_y_x(y, x);
+  std::vector<Update> us{checked(y, x, rows, a, b, scales, starts)};
+  run(y, x, us);
 }
 
-void lora_add_slot(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-                   const at::Tensor* t, const int64_t* m) {
-  if (t[0].numel() == 0) return;  // an unused slot
-  const int64_t parts = m[0];
-  TORCH_CHECK(parts >= 1 && parts <= kLoraMaxParts, "lora slot: ", parts, " parts");
-  const int64_t scales = t[1 + kLoraMaxParts].numel() > 0 ? 1 + parts : 0;  // int8 ones only
-  lora_add_(y, x, rows, t[0], at::TensorList(t + 1, parts),
-            at::TensorList(t + 1 + kLoraMaxParts, scales), at::IntArrayRef(m + 1, 2 * parts));
+void lora_add_groups(at::Tensor& y, const at::Tensor& x, const std::vector<LoraSlot>& slots) {
+  check_y_x(y, x);
+  std::vector<Update> us;
+  for (const LoraSlot& s : slots) {
+    if (s.tensors[0].numel() == 0) continue;  // an unused slot
+    const int64_t parts = s.ints[0];
+    TORCH_CHECK(parts >= 1 && parts <= kLoraMaxParts, "lora slot: ", parts, " parts");
+    const int64_t scales = s.tensors[1 + kLoraMaxParts].numel() > 0 ? 1 + parts : 0;
+    us.push_back(checked(y, x, *s.rows, s.tensors[0], at::TensorList(s.tensors + 1, parts),
+                         at::TensorList(s.tensors + 1 + kLoraMaxParts, scales),
+                         at::IntArrayRef(s.ints + 1, 2 * parts)));
+  }
+  run(y, x, us);
 }
 
 void lora_add_slots_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList lora,
@@ -282,10 +343,12 @@ void lora_add_slots_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at
                   static_cast<int64_t>(lora_ints.size()) == G * kLoraSlotInts,
               "lora_add_slots_: ", kLoraSlotTensors, " tensors and ", kLoraSlotInts,
               " ints per group");
+  std::vector<LoraSlot> slots;
   for (int64_t g = 0; g < G; ++g) {
-    lora_add_slot(y, x, rows[g], lora.data() + g * kLoraSlotTensors,
-                  lora_ints.data() + g * kLoraSlotInts);
+    slots.push_back({&rows[g], lora.data() + g * kLoraSlotTensors,
+                     lora_ints.data() + g * kLoraSlotInts});
   }
+  lora_add_groups(y, x, slots);
 }
 
 }  // namespace jitney_kernels

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace jitney_kernels {
 
@@ -36,8 +37,14 @@ constexpr int64_t kLoraSlotTensors = 2 * (1 + kLoraMaxParts);
 constexpr int64_t kLoraSlotInts = 1 + 2 * kLoraMaxParts;
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
                at::TensorList b, at::TensorList scales, at::IntArrayRef starts);
-void lora_add_slot(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-                   const at::Tensor* t, const int64_t* m);
+// One group's slot: its rows, its kLoraSlotTensors tensors and kLoraSlotInts ints.
+struct LoraSlot {
+  const at::Tensor* rows;
+  const at::Tensor* tensors;
+  const int64_t* ints;
+};
+// Every group's slot of one projection in one parallel region (unused slots skipped).
+void lora_add_groups(at::Tensor& y, const at::Tensor& x, const std::vector<LoraSlot>& slots);
 void lora_add_slots_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList lora,
                      at::IntArrayRef lora_ints);
 

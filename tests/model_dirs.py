@@ -18,6 +18,18 @@ SMALL_LLAMA: dict[str, Any] = {
 }
 
 
+# Two layers, four query heads over two KV heads: the smallest shape that still has every part a
+# real Llama has (grouped queries, more than one layer), for parity tests.
+TWO_LAYER_LLAMA: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+
 def write_random_llama(path: Path, seed: int = 0, **config: Any) -> Path:
     """`config`: LlamaConfig fields (sizes); the vocabulary and special ids are the tokenizer's."""
     import torch

@@ -28,16 +28,12 @@ from engine.models.model_loader import load_model
 from engine.models.tiny_model import CHATML_TEMPLATE
 from generation import SamplingParams
 from tests.gguf_files import BASE_SPECIALS, tiny_vocabulary, write_gguf
+from tests.model_dirs import TWO_LAYER_LLAMA
 
 VOCAB = len(tiny_vocabulary()["tokens"])
 SMALL = dict(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
+    **TWO_LAYER_LLAMA,
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,

@@ -12,16 +12,8 @@ import torch
 from engine.errors import AdapterLoadError, UnknownAdapterError
 from generation.sampling_params import SamplingParams
 from tests.lora_adapters import write_gguf_adapter, write_peft_adapter
-from tests.model_dirs import write_random_llama
+from tests.model_dirs import TWO_LAYER_LLAMA, write_random_llama
 
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory="8MiB", speculative="none")
 EXACT = dict(ENGINE, model_impl="jitney", quantization="none")
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -31,7 +23,7 @@ PROMPTS = [[5, 17, 33, 9, 41, 12, 7, 60, 22, 19, 3, 8, 71, 30, 44, 15, 27, 6], [
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    base = write_random_llama(root / "base", seed=3, **SHAPE)
+    base = write_random_llama(root / "base", seed=3, **TWO_LAYER_LLAMA)
     a = write_peft_adapter(base, root / "a", rank=8, seed=1)
     b = write_peft_adapter(
         base,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.errors import AdapterLoadError, UnknownAdapterError
+from engine.kernels import kernel_backend
 from generation.sampling_params import SamplingParams
 from tests.lora_adapters import write_gguf_adapter, write_peft_adapter
 from tests.model_dirs import TWO_LAYER_LLAMA, write_random_llama
@@ -156,15 +157,16 @@ def test_runtime_add_remove_and_lru(files) -> None:
         engine.add_adapter("c", str(files["base"] / "missing"))
 
 
+@pytest.mark.skipif(
+    not kernel_backend().is_native, reason=f"C++ kernels not in use: {kernel_backend().reason}"
+)
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_the_update_kernel_matches_its_reference(int8) -> None:
     """jitney::lora_add_slots_ (C++) against its torch definition: two adapter groups, rows
     scattered, parts whose widths are not whole chunks, ranks not whole tiles."""
-    from engine.kernels import kernel_backend, reference
+    from engine.kernels import reference
     from engine.lora.adapter_set import FusedUpdate, PartUpdate, _int8_columns
 
-    if not kernel_backend().is_native:
-        pytest.skip("no C++ kernels on this machine")
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(7, 40, generator=g), torch.randn(7, 57, generator=g)
     slots, ints = [], []

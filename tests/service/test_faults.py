@@ -114,9 +114,10 @@ async def test_worker_killed_mid_generation_loses_and_repeats_nothing(flags: tup
     placement, requests were placed on (and read from) the own stream of the worker holding
     their prefix: those the victim read are taken over from there."""
     placed, speculating = flags == PLACED, flags in (SPECULATING, DRAFTING)
-    # Speculating, a step gives up to five tokens: longer replies keep every request in
-    # flight past the kill (160 tokens were done within the wait, some runs).
-    n, prompts = (480 if speculating else 160), random_prompts(11, 12)
+    # Replies long enough to keep every request in flight past the kill: a tiny model's step
+    # takes about a millisecond (a fresh-clone run finished all 160-token replies within the
+    # wait), and speculating, a step gives up to five tokens.
+    n, prompts = 480, random_prompts(11, 12)
     body = {"model": MODEL, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     gateway_flags = PLACED if placed else ()
     with running_system(("k1", "k2"), flags, gateway_flags=gateway_flags) as system:

@@ -24,7 +24,7 @@ K/V as the engine's flag of that name does (auto: float16 for int8 and gguf, as 
 a quantized forward's; the mode's own dtype for fp32 and bf16). Each mode also reports how often
 its most likely next token is fp32's (greedy decoding's agreement, position by position).
 `--lora` runs every mode under a LoRA adapter (a PEFT directory or a GGUF adapter: each mode's
-forward keeps it as the engine does, float16 through jitney::lora_add_ beside quantized
+forward keeps it as the engine does, int8 through jitney::lora_add_ beside quantized
 weights, the forward's dtype beside dense ones).
 """
 

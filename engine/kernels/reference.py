@@ -252,26 +252,42 @@ def lora_add_(
     y: torch.Tensor,  # [T, out] float32, updated in place
     x: torch.Tensor,  # [T, in] float32
     rows: torch.Tensor,  # [n] int64: the rows of y and x under this adapter
-    a: torch.Tensor,  # [in, R]: the parts' A stacked and transposed (int8 or float32)
-    b: list[torch.Tensor],  # per part: PEFT's B transposed, [r_p, out_p]
-    scales: list[torch.Tensor],  # int8 weights: a's per column [R], each b's per row [r_p]
-    starts: list[int],  # per part: its first column of y, its first column of a
+    a: torch.Tensor,  # int8 [R / 16, K32 / 4, 64]: the parts' A stacked, in tiles
+    b: list[torch.Tensor],  # per part: int8 [ceil(out_p / 32), r_p / 4, 128], its B in chunks
+    scales: list[torch.Tensor],  # a's per rank [R], each b's per rank [r_p]
+    ints: list[int],  # per part: its first column of y, its first rank in a, its width out_p
 ) -> None:
-    """One adapter's low-rank update of a (fused) projection, added to its rows of y."""
-    a_scale = scales[0] if scales else 1.0
-    low = (x[rows] @ a.float()) * a_scale
+    """One adapter's low-rank update of a (fused) projection, added to its rows of y
+    (csrc/lora_add.cpp: the layout is engine/lora/adapter_set.py's)."""
+    low = (x[rows] @ a_from_tiles(a)[:, : x.shape[1]].T) * scales[0]
     for p, bt in enumerate(b):
-        start, rank_start = starts[2 * p], starts[2 * p + 1]
-        weights = bt.float() * scales[1 + p][:, None] if scales else bt.float()
-        cols = slice(start, start + bt.shape[1])
-        y[rows, cols] += low[:, rank_start : rank_start + bt.shape[0]] @ weights
+        start, rank_start, out = ints[3 * p : 3 * p + 3]
+        weights = b_from_chunks(bt, out) * scales[1 + p]  # [out, r]
+        y[rows, start : start + out] += (
+            low[:, rank_start : rank_start + weights.shape[1]] @ weights.T
+        )
+
+
+def a_from_tiles(a: torch.Tensor) -> torch.Tensor:
+    """[R / 16, K / 4, 64] -> [R, K] float32: rank 16 t + l, input 4 g + i at a[t, g, 4 l + i]."""
+    tiles, groups = a.shape[:2]
+    return (
+        a.reshape(tiles, groups, 16, 4).permute(0, 2, 1, 3).reshape(tiles * 16, groups * 4).float()
+    )
+
+
+def b_from_chunks(b: torch.Tensor, out: int) -> torch.Tensor:
+    """[C, r / 4, 128] -> [out, r] float32: output 32 c + l, rank 4 g + i at b[c, g, 4 l + i]."""
+    chunks, groups = b.shape[:2]
+    full = b.reshape(chunks, groups, 32, 4).permute(0, 2, 1, 3).reshape(chunks * 32, groups * 4)
+    return full[:out].float()
 
 
 # One adapter's update of one projection as the kernels take it (a slot): A, each part's B
-# (padded to three), then A's and each B's int8 scales (padded likewise; empty where absent or
-# float32); its part count and each part's two starts (padded with zeros). An empty A: none.
+# (padded to three), then A's and each B's int8 scales (padded likewise); its part count and
+# each part's column start, rank start and width (padded with zeros). An empty A: none.
 LORA_SLOT_TENSORS = 2 * (1 + 3)
-LORA_SLOT_INTS = 1 + 2 * 3
+LORA_SLOT_INTS = 1 + 3 * 3
 
 
 def lora_add_slot(
@@ -281,7 +297,7 @@ def lora_add_slot(
     a, parts = tensors[0], ints[0]
     if a.numel():
         scales = list(tensors[4 : 5 + parts]) if tensors[4].numel() else []
-        lora_add_(y, x, rows, a, list(tensors[1 : 1 + parts]), scales, ints[1 : 1 + 2 * parts])
+        lora_add_(y, x, rows, a, list(tensors[1 : 1 + parts]), scales, ints[1 : 1 + 3 * parts])
 
 
 def lora_add_slots_(

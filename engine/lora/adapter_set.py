@@ -31,19 +31,20 @@ RANK_TILE = 16  # jitney::lora_add_ takes A's stacked ranks in tiles of 16 (csrc
 
 @dataclass(frozen=True, slots=True)
 class PartUpdate:
-    """One part's B, adding into columns [start, start + b.shape[0]) of the fused output from
-    low-rank activations [rank_start, rank_start + b.shape[1])."""
+    """One part's B, adding into columns [start, start + out) of the fused output from
+    low-rank activations [rank_start, rank_start + r)."""
 
     start: int
     rank_start: int
-    b: torch.Tensor  # [out, r]; for jitney::lora_add_ (FusedUpdate.kernel) transposed, [r, out]
+    b: torch.Tensor  # [out, r]; for jitney::lora_add_ (FusedUpdate.kernel) in chunks of 32
+    out: int
 
 
 @dataclass(frozen=True, slots=True)
 class FusedUpdate:
     """One fused projection's low-rank update: t = x @ a.T, then each part's t-slice @ b.T."""
 
-    a: torch.Tensor  # [R, in]: the parts' A stacked; for the kernel [in, R] (R padded)
+    a: torch.Tensor  # [R, in]: the parts' A stacked; for the kernel in tiles of 16 ranks
     parts: tuple[PartUpdate, ...]
     kernel: bool  # int8, added by jitney::lora_add_ (else torch ops in the model's dtype)
     # The kernels' slot for it, made once (kernels/reference.py LORA_SLOT_TENSORS, _INTS): a,
@@ -64,7 +65,8 @@ class FusedUpdate:
         unused = MAX_PARTS - len(parts)
         tensors = [a, *(p.b for p in parts), *[_EMPTY] * unused]
         tensors += [*(scales or []), *[_EMPTY] * (1 + MAX_PARTS - len(scales or []))]
-        ints = [len(parts), *(i for p in parts for i in (p.start, p.rank_start)), *[0] * 2 * unused]
+        ints = [len(parts), *(i for p in parts for i in (p.start, p.rank_start, p.out))]
+        ints += [0] * 3 * unused
         return cls(a, parts, kernel, tensors, ints)
 
     def add_dense(self, y: torch.Tensor, x: torch.Tensor, rows: slice, index: torch.Tensor) -> None:
@@ -81,7 +83,7 @@ class FusedUpdate:
         t = x @ self.a.T
         for p in self.parts:
             r = p.b.shape[1]
-            cols = y[:, p.start : p.start + p.b.shape[0]]
+            cols = y[:, p.start : p.start + p.out]
             cols.addmm_(t[:, p.rank_start : p.rank_start + r], p.b.T)
 
 
@@ -178,22 +180,10 @@ def lay_out(name: str, file: AdapterFile, targets: LoraTargets, max_rank: int) -
             parts.sort(key=lambda part: part[0].start)
             if len(parts) > MAX_PARTS:
                 raise AdapterLoadError(f"LoRA adapter {name!r}: {fused} in overlapping parts")
-            a = torch.cat([pa for _, pa, _ in parts]).to(targets.device, targets.dtype)
-            scales = []
-            if targets.kernel:  # jitney::lora_add_'s layout: [in, R], R padded to RANK_TILE
-                padded = torch.zeros(a.shape[1], -(-a.shape[0] // RANK_TILE) * RANK_TILE)
-                padded[:, : a.shape[0]] = a.T
-                a, a_scale = _int8_columns(padded)
-                scales.append(a_scale)
-            placed, rank_start = [], 0
-            for site, pa, pb in parts:
-                b = pb.to(targets.device, targets.dtype)
-                if targets.kernel:  # transposed, [r, out], a scale per rank
-                    b, b_scale = _int8_columns(b)
-                    b = b.T.contiguous()
-                    scales.append(b_scale)
-                placed.append(PartUpdate(site.start, rank_start, b))
-                rank_start += pa.shape[0]
+            if targets.kernel:
+                a, placed, scales = _kernel_layout(parts)
+            else:
+                a, placed, scales = _dense_layout(parts, targets)
             update = FusedUpdate.of(a.contiguous(), tuple(placed), targets.kernel, scales)
             nbytes += update.a.nbytes + sum(p.b.nbytes for p in placed)
             nbytes += sum(t.nbytes for t in scales)
@@ -201,6 +191,64 @@ def lay_out(name: str, file: AdapterFile, targets: LoraTargets, max_rank: int) -
         layers.append(updates)
     tensors, ints = _decode_layout(layers) if targets.kernel else ((), ())
     return ResidentAdapter(name, file.path, file.rank, tuple(layers), nbytes, tensors, ints)
+
+
+def _dense_layout(
+    parts: list[tuple[ProjectionSite, torch.Tensor, torch.Tensor]], targets: LoraTargets
+) -> tuple[torch.Tensor, list[PartUpdate], list[torch.Tensor]]:
+    """The parts' A stacked [R, in] and each B [out, r], in the model's dtype."""
+    a = torch.cat([pa for _, pa, _ in parts]).to(targets.device, targets.dtype)
+    placed, rank_start = [], 0
+    for site, pa, pb in parts:
+        b = pb.to(targets.device, targets.dtype)
+        placed.append(PartUpdate(site.start, rank_start, b, site.out))
+        rank_start += pa.shape[0]
+    return a, placed, []
+
+
+def _kernel_layout(
+    parts: list[tuple[ProjectionSite, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, list[PartUpdate], list[torch.Tensor]]:
+    """jitney::lora_add_'s layout (csrc/lora_add.cpp): int8 with a scale per rank, each
+    matrix one sequential stream in the order the kernel reads it. A: the parts' A stacked,
+    each part's ranks padded to a multiple of 4 (its rank start is one), the stack to
+    RANK_TILE, the inputs to a block of 32, in tiles of 16 ranks; each B in chunks of 32
+    outputs."""
+    inputs = parts[0][1].shape[1]
+    padded = [_pad(pa, -(-pa.shape[0] // 4) * 4, 0) for _, pa, _ in parts]
+    stacked = torch.cat(padded)
+    stacked = _pad(stacked, -(-stacked.shape[0] // RANK_TILE) * RANK_TILE, 0)
+    a, a_scale = _int8_columns(_pad(stacked, -(-inputs // 32) * 32, 1).T)  # a scale per rank
+    placed, scales, rank_start = [], [a_scale], 0
+    for (site, _, pb), pa in zip(parts, padded, strict=True):
+        b, b_scale = _int8_columns(_pad(pb, pa.shape[0], 1))  # [out, r], a scale per rank
+        placed.append(PartUpdate(site.start, rank_start, _in_lanes(b, 32), site.out))
+        scales.append(b_scale)
+        rank_start += pa.shape[0]
+    return _in_lanes(a.T.contiguous(), RANK_TILE), placed, scales
+
+
+def _pad(m: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """m float32 with zeros appended along `dim` up to `size`."""
+    shape = list(m.shape)
+    shape[dim] = size - m.shape[dim]
+    return torch.cat([m.float(), torch.zeros(shape)], dim)
+
+
+def _in_lanes(m: torch.Tensor, lanes: int) -> torch.Tensor:
+    """int8 [rows, k] (k a multiple of 4) -> [ceil(rows / lanes), k / 4, 4 lanes]: per group of
+    `lanes` rows, per four neighbouring k, each row's four in one 32-bit lane, as a VNNI dot
+    product sums them (kernels/reference.py a_from_tiles, b_from_chunks undo it)."""
+    rows, k = m.shape
+    groups = -(-rows // lanes)
+    full = torch.zeros(groups * lanes, k, dtype=m.dtype)
+    full[:rows] = m
+    return (
+        full.reshape(groups, lanes, k // 4, 4)
+        .permute(0, 2, 1, 3)
+        .reshape(groups, k // 4, -1)
+        .contiguous()
+    )
 
 
 def _int8_columns(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,9 +104,17 @@ def test_rows_of_three_kinds_in_one_step_equal_each_alone(files, quantized, tmp_
     engine = engine_for(files, **config)
     prompts = [PROMPTS[0], PROMPTS[0][:9], PROMPTS[1], PROMPTS[0][3:]]
     loras = [None, "a", "b", "a"]
-    together = logprobs_of(engine, prompts, loras)
-    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
-        assert_close(together[i], logprobs_of(engine, [prompt], [lora])[0])
+    backend = kernel_backend()
+    before = backend.isa
+    if before == "amx":  # AMX's bf16 tiles take the base's larger prefills: not row for row
+        backend.set_isa("vnni")
+    try:
+        together = logprobs_of(engine, prompts, loras)
+        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+            assert_close(together[i], logprobs_of(engine, [prompt], [lora])[0])
+    finally:
+        if before is not None:
+            backend.set_isa(before)
     assert together[0] != together[1]
 
 
@@ -160,32 +168,36 @@ def test_runtime_add_remove_and_lru(files) -> None:
 @pytest.mark.skipif(
     not kernel_backend().is_native, reason=f"C++ kernels not in use: {kernel_backend().reason}"
 )
-@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
-def test_the_update_kernel_matches_its_reference(int8) -> None:
-    """jitney::lora_add_slots_ (C++) against its torch definition: two adapter groups, rows
-    scattered, parts whose widths are not whole chunks, ranks not whole tiles."""
+@pytest.mark.parametrize("rows_per_group", [(1, 2), (3, 9)], ids=["one-thread", "two-threads"])
+def test_the_update_kernel_matches_its_reference(isa, rows_per_group) -> None:
+    """jitney::lora_add_slots_ (C++) against its torch definition, at each instruction set the
+    CPU has: two adapter groups, rows scattered, inputs not a whole block, parts whose widths
+    are not whole chunks and ranks not multiples of four."""
     from engine.kernels import reference
-    from engine.lora.adapter_set import FusedUpdate, PartUpdate, _int8_columns
+    from engine.lora.adapter_set import FusedUpdate, ProjectionSite, _kernel_layout
 
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(7, 40, generator=g), torch.randn(7, 57, generator=g)
+    in_width = 40 if rows_per_group[1] < 4 else 700
+    total = sum(rows_per_group) + 2
+    x, y = torch.randn(total, in_width, generator=g), torch.randn(total, 57, generator=g)
     slots, ints = [], []
     for _ in range(2):
-        a = torch.zeros(40, 16)
-        a[:, :13] = torch.randn(40, 13, generator=g)
-        bs = [torch.randn(8, 37, generator=g), torch.randn(5, 20, generator=g)]
-        scales = []
-        if int8:
-            a, a_scale = _int8_columns(a)
-            quantized = [_int8_columns(b.T.contiguous()) for b in bs]
-            bs = [q.T.contiguous() for q, _ in quantized]
-            scales = [a_scale, *(s for _, s in quantized)]
-        parts = (PartUpdate(0, 0, bs[0]), PartUpdate(37, 8, bs[1]))
-        update = FusedUpdate.of(a, parts, True, scales)
+        sites = (ProjectionSite("qkv", 0, 37, in_width), ProjectionSite("qkv", 37, 20, in_width))
+        parts = [
+            (site, torch.randn(r, in_width, generator=g), torch.randn(site.out, r, generator=g))
+            for site, r in zip(sites, (8, 5), strict=True)
+        ]
+        a, placed, scales = _kernel_layout(parts)
+        update = FusedUpdate.of(a, tuple(placed), True, scales)
         slots += update.slot_tensors
         ints += update.slot_ints
-    rows = [torch.tensor([3, 0, 5]), torch.tensor([1, 2, 4, 6, 0])]
+    order = torch.randperm(total, generator=g)
+    rows = [order[: rows_per_group[0]], order[rows_per_group[0] : sum(rows_per_group)]]
     want = y.clone()
     reference.lora_add_slots_(want, x, rows, slots, ints)
+    largest = (want - y).abs().max().item()
     torch.ops.jitney.lora_add_slots_(y, x, rows, slots, ints)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    # VNNI's activations are two int8 digits a value (about 15 bits): its error is relative to
+    # the update's scale, not to each sum, which may cancel.
+    atol = 1e-4 * largest if isa in ("vnni", "amx") else 1e-5 * largest
+    torch.testing.assert_close(y, want, rtol=0, atol=atol)

@@ -21,7 +21,7 @@
 // LoRA (engine/lora/): lora_rows, per adapter group its rows of the step; lora, per group, layer
 // and matrix a slot of kLoraSlotTensors (ops.h: A, each part's B and their int8 scales; an
 // empty A: no update); lora_ints, per group,
-// layer and matrix kLoraSlotInts (parts, then each part's column start and rank start).
+// layer and matrix kLoraSlotInts (parts, then each part's column start, rank start and width).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -1,16 +1,28 @@
 // jitney::lora_add_: one LoRA adapter's low-rank update added to a projection's output, for the
 // rows of the step that run under it.
 //
-//   y[t, start_p : start_p + out_p] += b_p.T @ (x[t] @ a)[rank_start_p : rank_start_p + r_p]
+//   y[t, start_p : start_p + out_p] += (x[t] @ A^T)[rank_start_p : + r_p] @ B_p^T
 //
-// for each row t in `rows` and each part p (a fused projection's parts: Q, K, V or gate, up; each
-// part's b is PEFT's B transposed, [r_p, out_p]; a is the parts' A stacked and transposed,
-// [K, R], R padded with zero columns to a multiple of 16). a and the b's are int8 with a float32
-// scale per rank (`scales`: a's [R], then each b's [r_p]), a quarter of an adapter's float32
-// bytes, since a decode step reads every one of them beside the base's 4-bit blocks and the
-// reading is what it costs; or float32, without scales. x and y float32.
-// The quantized forward calls it per projection (engine/lora/), and llama_decode_layers_ after
-// each of its matrices, without Python between.
+// for each row t in `rows` and each part p (a fused projection's parts: Q, K, V or gate, up).
+// Weights are int8 with a float32 scale per rank (`scales`: a's [R], then each b's [r_p]), a
+// quarter of float32's bytes, each matrix one sequential stream in the order the loops read it
+// (a decode step's updates find their weights out of cache: a stream is what the hardware
+// prefetcher follows), four neighbouring weights of a row in each 32-bit lane:
+//   a    [R / 16, K / 4, 64]: per tile of 16 ranks, per four inputs, 16 lanes (a[t, g, 4 l + i]
+//        = A[16 t + l, 4 g + i]); the parts' A stacked, each part's ranks padded with zeros to
+//        a multiple of 4 (so every rank start is one), R to a multiple of 16, K to one of 32;
+//   b_p  [ceil(out_p / 32), r_p / 4, 128]: per chunk of 32 outputs, per four ranks, 32 lanes.
+// engine/lora/adapter_set.py lays adapters out so; kernels/reference.py reads the same layout.
+// Per part the slot's ints give its column start, rank start and width out_p.
+//
+// a's product is float32 multiply-adds (a projection has 16-64 ranks: rounding each row's x to
+// integer digits would cost as much as the products). b's, on VNNI CPUs, is integer dot
+// products: each row's low-rank activations (B's scales in) become two int8 digits per value
+// (quant_vnni.cpp's quantize_activations: about 15 bits), so a 64-byte load of weights serves
+// four products a lane for every row, and a row's integer sums are exact. Either way a row's
+// result does not depend on the other rows of the step. Elsewhere (AVX2) float32 throughout,
+// each weight byte picked out of its lane by two shifts. The quantized forward calls it per
+// projection (engine/lora/), and llama_decode_layers_ after each of its matrices.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,152 +31,93 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "blocks.h"
 #include "ops.h"
 
 namespace jitney_kernels {
 namespace {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-}
-inline float load1(const float* p) { return *p; }
-inline float load1(const int8_t* p) { return static_cast<float>(*p); }
-
-constexpr int64_t kChunk = 32;  // outputs a task of the B loop computes
+constexpr int64_t kRankTile = 16;  // a's ranks a task of the a loop computes (one 16-lane vector)
+constexpr int64_t kChunk = 32;     // outputs a task of the b loop computes
+constexpr int64_t kRowTile = 4;    // rows a task takes at once: each weight load serves them all
+constexpr int64_t kMaxRank = 1024;  // a part's rank (the engine's --max-lora-rank is checked)
 // Up to this many multiply-adds one thread is faster than two: inside the one-call decode op a
-// rank-16 SmolLM2 adapter's 120 updates of a row (18k-70k each) cost 0.8 ms a step on one
-// thread, 1.3 ms on two (a parallel region's start and barriers cost more than the half).
+// rank-16 SmolLM2 adapter's 120 updates of a row (18k-70k each) cost less on one thread than a
+// parallel region's start and barriers on two (docs/notes/lora.md).
 constexpr int64_t kOneThreadWork = 262144;
 
-constexpr int64_t kRankTile = 16;  // a's columns (padded to a multiple: lay_out's job)
-constexpr int64_t kRowTile = 6;    // rows of x a task of the a loop takes at once (12 sums)
-constexpr int64_t kWidenRows = 4;  // rows from which a chunk of b is widened once for all
-constexpr int64_t kMaxRank = 1024;  // a part's rank (the engine's --max-lora-rank is checked)
-
-// Q rows' low-rank activations for sixteen columns of a^T (float32 out,
-// row stride `stride`; `scale`: the columns' int8 scales, or null): each input's sixteen
-// weights loaded once, broadcast against Q rows.
-template <typename W, int Q>
-inline void a_tile(const W* col, const float* scale, int64_t R, const float* xs, int64_t K,
-                   const int64_t* rows, float* out, int64_t stride) {
-  const float* xr[Q];
-  for (int q = 0; q < Q; ++q) xr[q] = xs + rows[q] * K;
-  __m256 acc[Q][2];
-  for (int q = 0; q < Q; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k, col += R) {
-    const __m256 a0 = load8(col), a1 = load8(col + 8);
-    for (int q = 0; q < Q; ++q) {
-      const __m256 xb = _mm256_broadcast_ss(xr[q] + k);
-      acc[q][0] = _mm256_fmadd_ps(xb, a0, acc[q][0]);
-      acc[q][1] = _mm256_fmadd_ps(xb, a1, acc[q][1]);
-    }
-  }
-  if (scale != nullptr) {  // int8 columns: each column's scale, once per sum
-    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-    for (int q = 0; q < Q; ++q) {
-      acc[q][0] = _mm256_mul_ps(acc[q][0], s0);
-      acc[q][1] = _mm256_mul_ps(acc[q][1], s1);
-    }
-  }
-  for (int q = 0; q < Q; ++q) {
-    _mm256_storeu_ps(out + q * stride, acc[q][0]);
-    _mm256_storeu_ps(out + q * stride + 8, acc[q][1]);
-  }
-}
-
-// `count` (1 to kRowTile) rows' a_tile, the row count a compile-time constant.
-template <typename W>
-void a_rows(const W* col, const float* scale, int64_t R, const float* xs, int64_t K,
-            const int64_t* rows, int64_t count, float* out) {
-  switch (count) {
-    case 6: return a_tile<W, 6>(col, scale, R, xs, K, rows, out, R);
-    case 5: return a_tile<W, 5>(col, scale, R, xs, K, rows, out, R);
-    case 4: return a_tile<W, 4>(col, scale, R, xs, K, rows, out, R);
-    case 3: return a_tile<W, 3>(col, scale, R, xs, K, rows, out, R);
-    case 2: return a_tile<W, 2>(col, scale, R, xs, K, rows, out, R);
-    default: return a_tile<W, 1>(col, scale, R, xs, K, rows, out, R);
-  }
-}
-
-// Q rows' outputs of one full chunk: each of b's widened weights (wb, [r, kChunk]) loaded once
-// for all Q rows; lj[q]: row q's low-rank activations, scaled.
-template <int Q>
-inline void b_rows(const float* wb, int64_t r, const float* const* lj, float* const* yj) {
-  constexpr int V = kChunk / 8;
-  __m256 acc[Q][V];
-  for (int q = 0; q < Q; ++q) {
-    for (int v = 0; v < V; ++v) acc[q][v] = _mm256_loadu_ps(yj[q] + 8 * v);
-  }
-  for (int64_t k = 0; k < r; ++k) {
-    for (int v = 0; v < V; ++v) {
-      const __m256 w = _mm256_loadu_ps(wb + k * kChunk + 8 * v);
-      for (int q = 0; q < Q; ++q) acc[q][v] = _mm256_fmadd_ps(_mm256_set1_ps(lj[q][k]), w, acc[q][v]);
-    }
-  }
-  for (int q = 0; q < Q; ++q) {
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(yj[q] + 8 * v, acc[q][v]);
-  }
-}
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // One adapter group's update of one projection, checked, with what the loops need of it.
 struct Update {
   const int64_t* rows;
   int64_t n, K, R;
-  const at::Tensor* a;
-  at::TensorList b, scales;
-  at::IntArrayRef starts;
-  int64_t rank_tiles, row_tiles, chunks, max_rank, work;
-  int64_t low = 0;  // where its low-rank activations start in the call's buffer
-
+  const int8_t* a;
+  const float* a_scale;
+  int64_t parts;
+  const int8_t* b[kLoraMaxParts];
+  const float* b_scale[kLoraMaxParts];
+  int64_t r[kLoraMaxParts], out[kLoraMaxParts], start[kLoraMaxParts], rank_start[kLoraMaxParts];
+  int64_t rank_tiles, row_tiles, chunks, work;
+  int64_t low = 0;  // where its rows' low-rank activations start in the call's buffer
   int64_t tasks() const { return rank_tiles * row_tiles; }
+  int64_t part_chunks(int64_t p) const { return (out[p] + kChunk - 1) / kChunk; }
 };
 
 Update checked(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
                const at::Tensor& a, at::TensorList b, at::TensorList scales,
                at::IntArrayRef starts) {
   const char* op = "lora_add_";
-  TORCH_CHECK(a.dim() == 2 && a.size(0) == x.size(1) && a.size(1) % kRankTile == 0 &&
-                  a.is_contiguous(),
-              op, ": a must be contiguous [in, R], R a multiple of ", kRankTile);
+  const int64_t K = round_up(x.size(1), kBlock);
+  TORCH_CHECK(a.scalar_type() == at::kChar && a.is_contiguous() && a.dim() == 3 &&
+                  a.size(1) * 4 == K && a.size(2) == 4 * kRankTile,
+              op, ": a must be contiguous int8 [R / 16, ", K / 4, ", 64]");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, op, ": rows must be int64 [n]");
-  TORCH_CHECK(starts.size() == 2 * b.size(), op, ": one (start, rank start) per part");
+  TORCH_CHECK(b.size() >= 1 && static_cast<int64_t>(b.size()) <= kLoraMaxParts &&
+                  starts.size() == 3 * b.size() && scales.size() == 1 + b.size(),
+              op, ": 1 to ", kLoraMaxParts, " parts, each with a scale tensor and three ints");
   const int64_t n = rows.numel();
   const int64_t* rs = rows.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) {
     TORCH_CHECK(rs[j] >= 0 && rs[j] < y.size(0), op, ": row ", rs[j], " outside [0, ", y.size(0),
                 ")");
   }
-  Update u{rs, n, a.size(0), a.size(1), &a, b, scales, starts, 0, 0, 0, 0, 0};
-  for (size_t p = 0; p < b.size(); ++p) {
+  const int64_t R = a.size(0) * kRankTile;
+  TORCH_CHECK(scales[0].scalar_type() == at::kFloat && scales[0].is_contiguous() &&
+                  scales[0].numel() == R,
+              op, ": a's scales must be float32 [", R, "]");
+  Update u{rs, n, K, R, a.data_ptr<int8_t>(), scales[0].data_ptr<float>(),
+           static_cast<int64_t>(b.size())};
+  u.chunks = 0;
+  u.work = n * R * K;
+  for (int64_t p = 0; p < u.parts; ++p) {
     const at::Tensor& bp = b[p];
-    TORCH_CHECK(bp.dim() == 2 && bp.size(0) <= kMaxRank, op, ": a part's rank is at most ",
-                kMaxRank);
-    TORCH_CHECK(bp.is_contiguous() && bp.scalar_type() == a.scalar_type(), op,
-                ": each b must be contiguous [r, out] in a's dtype");
-    TORCH_CHECK(starts[2 * p] >= 0 && starts[2 * p] + bp.size(1) <= y.size(1) &&
-                    starts[2 * p + 1] >= 0 && starts[2 * p + 1] + bp.size(0) <= a.size(1),
-                op, ": part ", p, " lies outside y's columns or a's rank");
-    u.chunks += (bp.size(1) + kChunk - 1) / kChunk;
-    u.work += n * bp.numel();
-    u.max_rank = std::max(u.max_rank, bp.size(0));
+    u.start[p] = starts[3 * p];
+    u.rank_start[p] = starts[3 * p + 1];
+    u.out[p] = starts[3 * p + 2];
+    TORCH_CHECK(bp.scalar_type() == at::kChar && bp.is_contiguous() && bp.dim() == 3 &&
+                    bp.size(0) == (u.out[p] + kChunk - 1) / kChunk && bp.size(1) * 4 <= kMaxRank &&
+                    bp.size(2) == 4 * kChunk,
+                op, ": part ", p, "'s b must be contiguous int8 [ceil(", u.out[p],
+                " / 32), r / 4, 128], r at most ", kMaxRank);
+    u.r[p] = bp.size(1) * 4;
+    TORCH_CHECK(u.start[p] >= 0 && u.out[p] > 0 && u.start[p] + u.out[p] <= y.size(1) &&
+                    u.rank_start[p] >= 0 && u.rank_start[p] % 4 == 0 &&
+                    u.rank_start[p] + u.r[p] <= R,
+                op, ": part ", p, " lies outside y's columns or a's ranks");
+    const at::Tensor& sp = scales[1 + p];
+    TORCH_CHECK(sp.scalar_type() == at::kFloat && sp.is_contiguous() && sp.numel() == u.r[p], op,
+                ": part ", p, "'s scales must be float32 [", u.r[p], "]");
+    u.b[p] = bp.data_ptr<int8_t>();
+    u.b_scale[p] = sp.data_ptr<float>();
+    u.chunks += u.part_chunks(p);
+    u.work += n * u.r[p] * u.out[p];
   }
-  const bool int8 = a.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || a.scalar_type() == at::kFloat, op, ": a must be int8 or float32");
-  TORCH_CHECK(scales.size() == (int8 ? 1 + b.size() : 0), op,
-              ": int8 weights take a scale tensor for a and each b, float32 ones none");
-  for (size_t i = 0; i < scales.size(); ++i) {
-    const int64_t want = i == 0 ? a.size(1) : b[i - 1].size(0);
-    TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
-                    scales[i].numel() == want,
-                op, ": scale ", i, " must be float32 [", want, "]");
-  }
-  u.rank_tiles = u.R / kRankTile;
+  u.rank_tiles = R / kRankTile;
   u.row_tiles = (n + kRowTile - 1) / kRowTile;
-  u.work += n * u.R * u.K;
   return u;
 }
 
@@ -176,117 +129,434 @@ inline const Update& locate(const std::vector<Update>& us, int64_t& i, Count cou
   return us[g];
 }
 
-// Every group's update of one projection in one OpenMP region (a decode step makes four per
-// layer, whatever the number of adapters in it): the low-rank activations x[t] @ a of every
-// group first, then, after the loop's barrier, every group's outputs in chunks of kChunk.
-// a is kept transposed, [in, R]: a task broadcasts each of six rows' inputs against sixteen
-// neighbouring columns of a (twelve sums, no horizontal ones), so a's weights are read once per
-// six rows; a chunk of b is widened to float32 once and used for every row.
-template <typename W>
-void update(at::Tensor& y, const at::Tensor& x, std::vector<Update>& us) {
-  const int64_t N = y.size(1);
-  const float* xs = x.data_ptr<float>();
-  float* ys = y.data_ptr<float>();
-  int64_t tasks = 0, chunks = 0, work = 0, max_rank = 0, low_size = 0;
-  for (Update& u : us) {
-    u.low = low_size;
-    low_size += u.n * u.R;
-    tasks += u.tasks();
-    chunks += u.chunks;
-    work += u.work;
-    max_rank = std::max(max_rank, u.max_rank);
-  }
-  if (tasks == 0) return;
-  const int threads = work < kOneThreadWork ? 1 : at::get_num_threads();
-  std::vector<float> low(static_cast<size_t>(low_size));
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> wide(static_cast<size_t>(max_rank * kChunk));
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task) {
-      int64_t i = task;
-      const Update& u = locate(us, i, [](const Update& v) { return v.tasks(); });
-      const int64_t r0 = (i % u.rank_tiles) * kRankTile, j0 = (i / u.rank_tiles) * kRowTile;
-      const float* scale = u.scales.empty() ? nullptr : u.scales[0].data_ptr<float>() + r0;
-      a_rows<W>(u.a->data_ptr<W>() + r0, scale, u.R, xs, u.K, u.rows + j0,
-                std::min(kRowTile, u.n - j0), low.data() + u.low + j0 * u.R + r0);
+// What both forms share: the groups' low-rank activations ([n, R] per group, `low`), their
+// rows of x (zero-padded to K where x is narrower), and the counts of the loops' tasks.
+struct Step {
+  std::vector<Update>& us;
+  const at::Tensor& x;
+  std::vector<float>& low;
+  std::vector<float>& padded;  // [rows, K], used where x's width is not K
+  std::vector<int64_t> first;  // per group, its first row in the flat order
+  int64_t rows = 0, tasks = 0, chunks = 0, work = 0;
+
+  Step(std::vector<Update>& updates, const at::Tensor& in, std::vector<float>& low_buffer,
+       std::vector<float>& pad_buffer)
+      : us(updates), x(in), low(low_buffer), padded(pad_buffer) {
+    int64_t low_size = 0;
+    for (Update& u : us) {
+      u.low = low_size;
+      low_size += u.n * u.R;
+      first.push_back(rows);
+      rows += u.n;
+      tasks += u.tasks();
+      chunks += u.chunks;
+      work += u.work;
     }
-    // Each part's b is kept transposed, [r, out]: a chunk of outputs takes one broadcast
-    // low-rank activation (its int8 scale folded in) times neighbouring weights, no horizontal
-    // sums. With several rows the chunk is widened to float32 once, for all of them.
-#pragma omp for schedule(static)
-    for (int64_t flat = 0; flat < chunks; ++flat) {
-      int64_t c = flat;
-      const Update& u = locate(us, c, [](const Update& v) { return v.chunks; });
-      const at::TensorList b = u.b;
-      const int64_t R = u.R, n = u.n;
-      const int64_t* rows = u.rows;
-      int64_t p = 0;
-      while (c >= (b[p].size(1) + kChunk - 1) / kChunk) {
-        c -= (b[p++].size(1) + kChunk - 1) / kChunk;
+    if (static_cast<int64_t>(low.size()) < low_size) low.resize(static_cast<size_t>(low_size));
+    const int64_t K = us.empty() ? 0 : us[0].K;
+    if (x.size(1) != K && static_cast<int64_t>(padded.size()) < rows * K) {
+      padded.resize(static_cast<size_t>(rows * K));
+    }
+  }
+
+  // The group and the row within it of a flat row index.
+  std::pair<int64_t, int64_t> row(int64_t flat) const {
+    const int64_t g = &locate(us, flat, [](const Update& v) { return v.n; }) - us.data();
+    return {g, flat};
+  }
+
+  // A flat row of x copied into `padded`, zeros after it, where x is narrower than K.
+  void prepare_row(int64_t flat) {
+    const auto [g, j] = row(flat);
+    const Update& u = us[g];
+    const int64_t in = x.size(1);
+    if (in == u.K) return;
+    float* out = padded.data() + flat * u.K;
+    std::copy_n(x.data_ptr<float>() + u.rows[j] * in, in, out);
+    std::fill(out + in, out + u.K, 0.0f);
+  }
+
+  // Group g's row j of x, K wide.
+  const float* x_row(int64_t g, int64_t j) const {
+    const Update& u = us[g];
+    const int64_t in = x.size(1);
+    if (in == u.K) return x.data_ptr<float>() + u.rows[j] * in;
+    return padded.data() + (first[g] + j) * u.K;
+  }
+
+  // The b loop's task: a group's part and its outputs [o, o + width).
+  struct Chunk {
+    int64_t g, p, o, width;
+  };
+  Chunk chunk(int64_t flat) const {
+    const int64_t g = &locate(us, flat, [](const Update& v) { return v.chunks; }) - us.data();
+    const Update& u = us[g];
+    int64_t p = 0;
+    while (flat >= u.part_chunks(p)) flat -= u.part_chunks(p++);
+    const int64_t o = flat * kChunk;
+    return {g, p, o, std::min(kChunk, u.out[p] - o)};
+  }
+
+  // The a loop's task: Q rows of a group and one tile of 16 ranks, by the form's a_tile.
+  template <typename Tile>
+  void a_task(int64_t task, Tile&& tile) const {
+    int64_t i = task;
+    const int64_t g = &locate(us, i, [](const Update& v) { return v.tasks(); }) - us.data();
+    const Update& u = us[g];
+    const int64_t r0 = (i % u.rank_tiles) * kRankTile, j0 = (i / u.rank_tiles) * kRowTile;
+    const float* xr[kRowTile];
+    float* out[kRowTile];
+    const int64_t count = std::min(kRowTile, u.n - j0);
+    for (int64_t q = 0; q < count; ++q) {
+      xr[q] = x_row(g, j0 + q);
+      out[q] = low.data() + u.low + (j0 + q) * u.R + r0;
+    }
+    tile(u, count, xr, r0, out);
+  }
+};
+
+// ---- float32 form (AVX2) ----
+
+// Byte i of each 32-bit lane, sign-extended, as float.
+template <int I>
+inline __m256 lane_byte(__m256i v) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * I), 24));
+}
+
+// Q rows' low-rank activations for one tile of 16 ranks: per four inputs, the tile's 64 bytes
+// (two 8-lane halves) loaded once for all rows.
+template <int Q>
+void a_tile_avx2(const Update& u, const float* const* xr, int64_t r0, float* const* out) {
+  __m256 acc[Q][2];
+  for (int q = 0; q < Q; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+  const int8_t* w = u.a + r0 * u.K;  // tile r0 / 16: K / 4 groups of 64 bytes
+  for (int64_t k = 0; k < u.K; k += 4, w += 64) {
+    const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+    const __m256 w00 = lane_byte<0>(h0), w01 = lane_byte<1>(h0), w02 = lane_byte<2>(h0),
+                 w03 = lane_byte<3>(h0);
+    const __m256 w10 = lane_byte<0>(h1), w11 = lane_byte<1>(h1), w12 = lane_byte<2>(h1),
+                 w13 = lane_byte<3>(h1);
+    for (int q = 0; q < Q; ++q) {
+      const float* xq = xr[q] + k;
+      const __m256 x0 = _mm256_broadcast_ss(xq), x1 = _mm256_broadcast_ss(xq + 1);
+      const __m256 x2 = _mm256_broadcast_ss(xq + 2), x3 = _mm256_broadcast_ss(xq + 3);
+      acc[q][0] = _mm256_fmadd_ps(x0, w00, acc[q][0]);
+      acc[q][1] = _mm256_fmadd_ps(x0, w10, acc[q][1]);
+      acc[q][0] = _mm256_fmadd_ps(x1, w01, acc[q][0]);
+      acc[q][1] = _mm256_fmadd_ps(x1, w11, acc[q][1]);
+      acc[q][0] = _mm256_fmadd_ps(x2, w02, acc[q][0]);
+      acc[q][1] = _mm256_fmadd_ps(x2, w12, acc[q][1]);
+      acc[q][0] = _mm256_fmadd_ps(x3, w03, acc[q][0]);
+      acc[q][1] = _mm256_fmadd_ps(x3, w13, acc[q][1]);
+    }
+  }
+  const __m256 s0 = _mm256_loadu_ps(u.a_scale + r0), s1 = _mm256_loadu_ps(u.a_scale + r0 + 8);
+  for (int q = 0; q < Q; ++q) {
+    _mm256_storeu_ps(out[q], _mm256_mul_ps(acc[q][0], s0));
+    _mm256_storeu_ps(out[q] + 8, _mm256_mul_ps(acc[q][1], s1));
+  }
+}
+
+// Q rows' outputs [o, o + 8 v) of part p (each 8-output vector one 32-byte load per four ranks);
+// lj[q]: row q's low-rank activations of the part, B's scales in.
+template <int Q>
+void b_chunk_avx2(const Update& u, int64_t p, int64_t o, const float* const* lj, float* const* yj) {
+  constexpr int V = kChunk / 8;
+  __m256 acc[Q][V];
+  for (int q = 0; q < Q; ++q) {
+    for (int v = 0; v < V; ++v) acc[q][v] = _mm256_loadu_ps(yj[q] + 8 * v);
+  }
+  const int8_t* chunk = u.b[p] + (o / kChunk) * u.r[p] * kChunk;  // r / 4 groups of 128 bytes
+  for (int64_t k = 0; k < u.r[p]; k += 4) {
+    const int8_t* w = chunk + k * kChunk;
+    for (int v = 0; v < V; ++v) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
+      const __m256 w0 = lane_byte<0>(h), w1 = lane_byte<1>(h), w2 = lane_byte<2>(h),
+                   w3 = lane_byte<3>(h);
+      for (int q = 0; q < Q; ++q) {
+        acc[q][v] = _mm256_fmadd_ps(_mm256_set1_ps(lj[q][k]), w0, acc[q][v]);
+        acc[q][v] = _mm256_fmadd_ps(_mm256_set1_ps(lj[q][k + 1]), w1, acc[q][v]);
+        acc[q][v] = _mm256_fmadd_ps(_mm256_set1_ps(lj[q][k + 2]), w2, acc[q][v]);
+        acc[q][v] = _mm256_fmadd_ps(_mm256_set1_ps(lj[q][k + 3]), w3, acc[q][v]);
       }
-      const int64_t r = b[p].size(0), out = b[p].size(1), o = c * kChunk;
-      const int64_t width = std::min<int64_t>(kChunk, out - o);
-      const int64_t start = u.starts[2 * p], rank_start = u.starts[2 * p + 1];
-      const W* bt = b[p].data_ptr<W>() + o;
-      const float* b_scale = u.scales.empty() ? nullptr : u.scales[1 + p].data_ptr<float>();
-      const float* group_low = low.data() + u.low;
-      const bool widened = n >= kWidenRows && width == kChunk;
-      float* wb = wide.data();  // [r, kChunk]
-      if (widened) {
-        for (int64_t k = 0; k < r; ++k) {
-          for (int64_t v = 0; v < kChunk; v += 8) {
-            _mm256_storeu_ps(wb + k * kChunk + v, load8(bt + k * out + v));
-          }
-        }
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(yj[q] + 8 * v, acc[q][v]);
+  }
+}
+
+// `count` (1 to kRowTile) rows at once, the count a compile-time constant.
+template <typename F>
+inline void with_rows(int64_t count, F&& f) {
+  switch (count) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+
+struct FloatForm {
+  Step& s;
+  float* y;
+  int64_t N;
+
+  void size() {}
+  void between_row(int64_t) {}
+
+  void a_task(int64_t task) {
+    s.a_task(task, [](const Update& u, int64_t count, const float* const* xr, int64_t r0,
+                      float* const* out) {
+      with_rows(count, [&](auto q) { a_tile_avx2<decltype(q)::value>(u, xr, r0, out); });
+    });
+  }
+
+  void b_task(int64_t flat) {
+    const auto [g, p, o, width] = s.chunk(flat);
+    const Update& u = s.us[g];
+    const int64_t r = u.r[p];
+    float lj[kRowTile][kMaxRank];
+    for (int64_t j0 = 0; j0 < u.n; j0 += kRowTile) {
+      const int64_t count = std::min(kRowTile, u.n - j0);
+      const float* l[kRowTile];
+      float* yj[kRowTile];
+      for (int64_t q = 0; q < count; ++q) {
+        const float* lowj = s.low.data() + u.low + (j0 + q) * u.R + u.rank_start[p];
+        for (int64_t k = 0; k < r; ++k) lj[q][k] = lowj[k] * u.b_scale[p][k];
+        l[q] = lj[q];
+        yj[q] = y + u.rows[j0 + q] * N + u.start[p] + o;
       }
-      // Row j's low-rank activations of this part, each rank's scale in.
-      auto activations = [&](int64_t j, float* lj) {
-        for (int64_t k = 0; k < r; ++k) {
-          const float v = group_low[j * R + rank_start + k];
-          lj[k] = b_scale ? v * b_scale[k] : v;
-        }
-      };
-      float lj[2][kMaxRank];
-      if (widened) {  // two rows a pass: each loaded weight serves both
-        int64_t j = 0;
-        for (; j + 2 <= n; j += 2) {
-          activations(j, lj[0]);
-          activations(j + 1, lj[1]);
-          const float* l[2] = {lj[0], lj[1]};
-          float* yj[2] = {ys + rows[j] * N + start + o, ys + rows[j + 1] * N + start + o};
-          b_rows<2>(wb, r, l, yj);
-        }
-        if (j < n) {
-          activations(j, lj[0]);
-          const float* l[1] = {lj[0]};
-          float* yj[1] = {ys + rows[j] * N + start + o};
-          b_rows<1>(wb, r, l, yj);
-        }
+      if (width == kChunk) {
+        with_rows(count, [&](auto q) { b_chunk_avx2<decltype(q)::value>(u, p, o, l, yj); });
         continue;
       }
-      for (int64_t j = 0; j < n; ++j) {
-        activations(j, lj[0]);
-        float* yj = ys + rows[j] * N + start + o;
-        if (width == kChunk) {
-          __m256 acc[kChunk / 8];
-          for (int64_t v = 0; v < kChunk / 8; ++v) acc[v] = _mm256_loadu_ps(yj + 8 * v);
-          for (int64_t k = 0; k < r; ++k) {
-            const __m256 lk = _mm256_set1_ps(lj[0][k]);
-            for (int64_t v = 0; v < kChunk / 8; ++v) {
-              acc[v] = _mm256_fmadd_ps(lk, load8(bt + k * out + 8 * v), acc[v]);
-            }
-          }
-          for (int64_t v = 0; v < kChunk / 8; ++v) _mm256_storeu_ps(yj + 8 * v, acc[v]);
-        } else {
-          for (int64_t q = 0; q < width; ++q) {
-            float acc = 0.f;
-            for (int64_t k = 0; k < r; ++k) acc += lj[0][k] * load1(bt + k * out + q);
-            yj[q] += acc;
-          }
+      for (int64_t q = 0; q < count; ++q) {  // the part's last, narrower chunk
+        for (int64_t e = 0; e < width; ++e) {
+          float acc = 0.0f;
+          const int8_t* lane = u.b[p] + o * r + 4 * e;  // the chunk's, then the lane's
+          for (int64_t k = 0; k < r; ++k) acc += l[q][k] * lane[(k / 4) * 4 * kChunk + k % 4];
+          yj[q][e] += acc;
         }
       }
     }
+  }
+};
+
+// ---- integer form (AVX-512 VNNI) ----
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma")
+
+// Rows of activations as two int8 digits per value (quant_vnni.cpp's quantize_activations),
+// quantized row by row.
+struct Digits {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> scale, rounded_sum;
+  std::vector<int32_t> hi_sum16, lo_sum16;
+  int64_t K = 0;
+
+  void size(int64_t T, int64_t width) {
+    K = width;
+    const size_t nb = static_cast<size_t>(T * K / kBlock);
+    hi.resize(static_cast<size_t>(T * K));
+    lo.resize(static_cast<size_t>(T * K));
+    scale.resize(nb);
+    rounded_sum.resize(nb);
+    hi_sum16.resize(2 * nb);
+    lo_sum16.resize(2 * nb);
+  }
+  void quantize_row(int64_t t, const float* x) {
+    const int64_t nb = K / kBlock;
+    Int8Digits view{hi.data() + t * K,       lo.data() + t * K,
+                    scale.data() + t * nb,   hi_sum16.data() + 2 * t * nb,
+                    lo_sum16.data() + 2 * t * nb, rounded_sum.data() + t * nb, 2};
+    quantize_activations(x, 1, K, view);
+  }
+  // Block b of row t: the offset's term, 128 times (254 hi + lo) summed over the block.
+  int32_t offset(int64_t t, int64_t b) const {
+    const int64_t i = t * (K / kBlock) + b;
+    return 128 * (254 * (hi_sum16[2 * i] + hi_sum16[2 * i + 1]) + lo_sum16[2 * i] +
+                  lo_sum16[2 * i + 1]);
+  }
+  int32_t hi4(int64_t t, int64_t k) const {
+    return *reinterpret_cast<const int32_t*>(hi.data() + t * K + k);
+  }
+  int32_t lo4(int64_t t, int64_t k) const {
+    return *reinterpret_cast<const int32_t*>(lo.data() + t * K + k);
+  }
+};
+
+// Weights read as unsigned bytes (w + 128); the offset comes off each block's sum exactly.
+inline __m512i unsigned_bytes(__m512i w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
+
+// A block's float sum: scale * (254 hi_sum + lo_sum - offset), exact in int32 first.
+inline __m512 block_sum(__m512i hi, __m512i lo, int32_t offset, float scale, __m512 acc) {
+  const __m512i total = _mm512_sub_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)), lo),
+      _mm512_set1_epi32(offset));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(scale), acc);
+}
+
+// Byte i of each 32-bit lane, sign-extended, as float.
+template <int I>
+inline __m512 lane_byte16(__m512i v) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * I), 24));
+}
+
+// Q rows' low-rank activations for one tile of 16 ranks, in float32 multiply-adds: a's ranks
+// are few (16-64 a projection), so rounding each row's x to digits would cost as much as the
+// products. Per four inputs one 64-byte load serves every row; four sums a row (one per input
+// of the four, added at the end, whatever Q) keep the FMAs' latency off the path.
+template <int Q>
+void a_tile_avx512(const Update& u, const float* const* xr, int64_t r0, float* const* out) {
+  __m512 acc[Q][4];
+  for (int q = 0; q < Q; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = _mm512_setzero_ps();
+  const int8_t* w = u.a + r0 * u.K;  // tile r0 / 16: K / 4 groups of 64 bytes
+  for (int64_t k = 0; k < u.K; k += 4, w += 64) {
+    const __m512i v = _mm512_loadu_si512(w);
+    const __m512 w0 = lane_byte16<0>(v), w1 = lane_byte16<1>(v), w2 = lane_byte16<2>(v),
+                 w3 = lane_byte16<3>(v);
+    for (int q = 0; q < Q; ++q) {
+      const float* xq = xr[q] + k;
+      acc[q][0] = _mm512_fmadd_ps(_mm512_set1_ps(xq[0]), w0, acc[q][0]);
+      acc[q][1] = _mm512_fmadd_ps(_mm512_set1_ps(xq[1]), w1, acc[q][1]);
+      acc[q][2] = _mm512_fmadd_ps(_mm512_set1_ps(xq[2]), w2, acc[q][2]);
+      acc[q][3] = _mm512_fmadd_ps(_mm512_set1_ps(xq[3]), w3, acc[q][3]);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(u.a_scale + r0);
+  for (int q = 0; q < Q; ++q) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[q][0], acc[q][1]),
+                                     _mm512_add_ps(acc[q][2], acc[q][3]));
+    _mm512_storeu_ps(out[q], _mm512_mul_ps(sum, scale));
+  }
+}
+
+// Q rows' outputs [o, o + width) of part p, two 16-lane vectors; l: the rows' low-rank
+// activations of the part as digits (rows lrow[q] of `l`, K = the padded rank).
+template <int Q>
+void b_chunk_vnni(const Update& u, int64_t p, int64_t o, int64_t width, const Digits& l,
+                  const int64_t* lrow, float* const* yj) {
+  const __mmask16 m0 = static_cast<__mmask16>(width >= 16 ? 0xFFFF : (1u << width) - 1);
+  const __mmask16 m1 = static_cast<__mmask16>(width >= 32 ? 0xFFFF : width <= 16 ? 0 : (1u << (width - 16)) - 1);
+  __m512 acc[Q][2];
+  for (int q = 0; q < Q; ++q) {
+    acc[q][0] = _mm512_maskz_loadu_ps(m0, yj[q]);
+    acc[q][1] = _mm512_maskz_loadu_ps(m1, yj[q] + 16);
+  }
+  const int64_t r = u.r[p];
+  const int8_t* chunk = u.b[p] + (o / kChunk) * r * kChunk;  // r / 4 groups of 128 bytes
+  for (int64_t b = 0; b * kBlock < r; ++b) {
+    __m512i hi[Q][2], lo[Q][2];
+    for (int q = 0; q < Q; ++q) hi[q][0] = hi[q][1] = lo[q][0] = lo[q][1] = _mm512_setzero_si512();
+    for (int64_t k = b * kBlock; k < std::min(r, (b + 1) * kBlock); k += 4) {
+      const int32_t* w = reinterpret_cast<const int32_t*>(chunk + k * kChunk);
+      const __m512i w0 = unsigned_bytes(_mm512_maskz_loadu_epi32(m0, w));
+      const __m512i w1 = unsigned_bytes(_mm512_maskz_loadu_epi32(m1, w + 16));
+      for (int q = 0; q < Q; ++q) {
+        const __m512i h = _mm512_set1_epi32(l.hi4(lrow[q], k)), d = _mm512_set1_epi32(l.lo4(lrow[q], k));
+        hi[q][0] = _mm512_dpbusd_epi32(hi[q][0], w0, h);
+        lo[q][0] = _mm512_dpbusd_epi32(lo[q][0], w0, d);
+        hi[q][1] = _mm512_dpbusd_epi32(hi[q][1], w1, h);
+        lo[q][1] = _mm512_dpbusd_epi32(lo[q][1], w1, d);
+      }
+    }
+    for (int q = 0; q < Q; ++q) {
+      const int64_t i = lrow[q] * (l.K / kBlock) + b;
+      for (int v = 0; v < 2; ++v) {
+        acc[q][v] = block_sum(hi[q][v], lo[q][v], l.offset(lrow[q], b), l.scale[i], acc[q][v]);
+      }
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    _mm512_mask_storeu_ps(yj[q], m0, acc[q][0]);
+    _mm512_mask_storeu_ps(yj[q] + 16, m1, acc[q][1]);
+  }
+}
+
+struct IntegerForm {
+  Step& s;
+  float* y;
+  int64_t N;
+  // Per group, each row's and part's low-rank activations (B's scales in), row j's part p at
+  // row j * parts + p, its ranks zero-padded to whole blocks.
+  std::vector<Digits>& l;
+
+  void size() {
+    if (l.size() < s.us.size()) l.resize(s.us.size());
+    for (size_t g = 0; g < s.us.size(); ++g) {
+      const Update& u = s.us[g];
+      int64_t width = 0;
+      for (int64_t p = 0; p < u.parts; ++p) width = std::max(width, round_up(u.r[p], kBlock));
+      l[g].size(u.n * u.parts, width);
+    }
+  }
+  void between_row(int64_t flat) {
+    const auto [g, j] = s.row(flat);
+    const Update& u = s.us[g];
+    float row[kMaxRank + kBlock];
+    for (int64_t p = 0; p < u.parts; ++p) {
+      const float* lowj = s.low.data() + u.low + j * u.R + u.rank_start[p];
+      std::fill_n(row, l[g].K, 0.0f);
+      for (int64_t k = 0; k < u.r[p]; ++k) row[k] = lowj[k] * u.b_scale[p][k];
+      l[g].quantize_row(j * u.parts + p, row);
+    }
+  }
+
+  void a_task(int64_t task) {
+    s.a_task(task, [](const Update& u, int64_t count, const float* const* xr, int64_t r0,
+                      float* const* out) {
+      with_rows(count, [&](auto q) { a_tile_avx512<decltype(q)::value>(u, xr, r0, out); });
+    });
+  }
+
+  void b_task(int64_t flat) {
+    const auto [g, p, o, width] = s.chunk(flat);
+    const Update& u = s.us[g];
+    for (int64_t j0 = 0; j0 < u.n; j0 += kRowTile) {
+      const int64_t count = std::min(kRowTile, u.n - j0);
+      int64_t lrow[kRowTile];
+      float* yj[kRowTile];
+      for (int64_t q = 0; q < count; ++q) {
+        lrow[q] = (j0 + q) * u.parts + p;
+        yj[q] = y + u.rows[j0 + q] * N + u.start[p] + o;
+      }
+      with_rows(count, [&](auto q) {
+        b_chunk_vnni<decltype(q)::value>(u, p, o, width, l[g], lrow, yj);
+      });
+    }
+  }
+};
+
+#pragma GCC pop_options
+
+// Every group's update of one projection (a decode step makes four per layer, whatever the
+// number of adapters in it): the low-rank activations of every group first, then, after the
+// loop's barrier, every group's outputs in chunks of kChunk.
+template <typename Form>
+void update(Form& form) {
+  Step& s = form.s;
+  if (s.tasks == 0) return;
+  form.size();
+  if (s.work < kOneThreadWork) {  // no OpenMP region at all: see kOneThreadWork
+    for (int64_t j = 0; j < s.rows; ++j) s.prepare_row(j);
+    for (int64_t task = 0; task < s.tasks; ++task) form.a_task(task);
+    for (int64_t j = 0; j < s.rows; ++j) form.between_row(j);
+    for (int64_t c = 0; c < s.chunks; ++c) form.b_task(c);
+    return;
+  }
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < s.rows; ++j) s.prepare_row(j);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < s.tasks; ++task) form.a_task(task);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < s.rows; ++j) form.between_row(j);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < s.chunks; ++c) form.b_task(c);
   }
 }
 
@@ -300,15 +570,17 @@ void check_y_x(const at::Tensor& y, const at::Tensor& x) {
 
 void run(at::Tensor& y, const at::Tensor& x, std::vector<Update>& us) {
   if (us.empty()) return;
-  const bool int8 = us[0].a->scalar_type() == at::kChar;
-  for (const Update& u : us) {
-    TORCH_CHECK((u.a->scalar_type() == at::kChar) == int8,
-                "lora_add_: one call's adapters share one weight dtype");
-  }
-  if (int8) {
-    update<int8_t>(y, x, us);
+  // Buffers kept between calls (a decode step makes 120 on SmolLM2): no allocation per call.
+  thread_local std::vector<float> low, padded;
+  thread_local std::vector<Digits> l_digits;
+  Step step(us, x, low, padded);
+  float* ys = y.data_ptr<float>();
+  if (active_isa() >= kVnni) {
+    IntegerForm form{step, ys, y.size(1), l_digits};
+    update(form);
   } else {
-    update<float>(y, x, us);
+    FloatForm form{step, ys, y.size(1)};
+    update(form);
   }
 }
 
@@ -328,10 +600,9 @@ void lora_add_groups(at::Tensor& y, const at::Tensor& x, const std::vector<LoraS
     if (s.tensors[0].numel() == 0) continue;  // an unused slot
     const int64_t parts = s.ints[0];
     TORCH_CHECK(parts >= 1 && parts <= kLoraMaxParts, "lora slot: ", parts, " parts");
-    const int64_t scales = s.tensors[1 + kLoraMaxParts].numel() > 0 ? 1 + parts : 0;
     us.push_back(checked(y, x, *s.rows, s.tensors[0], at::TensorList(s.tensors + 1, parts),
-                         at::TensorList(s.tensors + 1 + kLoraMaxParts, scales),
-                         at::IntArrayRef(s.ints + 1, 2 * parts)));
+                         at::TensorList(s.tensors + 1 + kLoraMaxParts, 1 + parts),
+                         at::IntArrayRef(s.ints + 1, 3 * parts)));
   }
   run(y, x, us);
 }

@@ -31,10 +31,11 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
 
 // lora_add.cpp: one adapter's low-rank update of a projection, added to its rows of y; as a
 // slot (kLoraSlotTensors tensors: a, each part's b and the scales, padded to kLoraMaxParts;
-// kLoraSlotInts ints: the part count and each part's starts); every group's slot in one call.
+// kLoraSlotInts ints: the part count and each part's column start, rank start and width);
+// every group's slot in one call.
 constexpr int64_t kLoraMaxParts = 3;  // Q, K, V
 constexpr int64_t kLoraSlotTensors = 2 * (1 + kLoraMaxParts);
-constexpr int64_t kLoraSlotInts = 1 + 2 * kLoraMaxParts;
+constexpr int64_t kLoraSlotInts = 1 + 3 * kLoraMaxParts;
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
                at::TensorList b, at::TensorList scales, at::IntArrayRef starts);
 // One group's slot: its rows, its kLoraSlotTensors tensors and kLoraSlotInts ints.

@@ -21,6 +21,7 @@ import torch
 from engine.attention.triton_decode import DecodeShape, resolve_decode_attention
 from engine.capacity import KVCapacity, budget_bytes, draft_budget_bytes, plan_capacity
 from engine.config import EngineConfig
+from engine.heap import return_freed_heap
 from engine.kernels import kernel_backend
 from engine.kernels.build import DRAFT_ROW_COST, INTEGER_ISAS, ONE_PASS_TOKENS
 from engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype
@@ -66,6 +67,7 @@ def plan_engine(config: EngineConfig, loaded: LoadedModel) -> StartupPlan:
         loaded, config.model_impl, config.quantization, config.compile, config.max_model_len
     )
     logger.info("forward: %s", forward_name)
+    return_freed_heap()  # packing the weights' blocks went through temporaries (engine/heap.py)
     spec = kv_cache_spec(config, loaded, forward_name)
     logger.info(
         "KV cache: %s (attention in %s)",

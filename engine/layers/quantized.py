@@ -12,7 +12,9 @@ kernel call computes them all.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -49,13 +51,25 @@ class QuantizedLinear(nn.Module):
 
 def _joined(parts: Sequence[BlockWeights]) -> tuple[BlockWeights, ...]:
     """Neighbouring parts of one type as one matrix (fewer, longer streams for the kernels)."""
-    runs: list[list[BlockWeights]] = []
+    return tuple(BlockWeights.cat(run) for run in _runs_of_one_kind(parts))
+
+
+class _Kinded(Protocol):
+    kind: str
+
+
+K = TypeVar("K", bound=_Kinded)
+
+
+def _runs_of_one_kind(parts: Sequence[K]) -> list[list[K]]:
+    """`parts` cut where the block type changes, in order."""
+    runs: list[list[K]] = []
     for p in parts:
         if runs and runs[-1][0].kind == p.kind:
             runs[-1].append(p)
         else:
             runs.append([p])
-    return tuple(BlockWeights.cat(run) for run in runs)
+    return runs
 
 
 class QuantizedEmbedding(nn.Module):
@@ -83,10 +97,22 @@ def packed(tensor: GGUFTensor) -> BlockWeights:
 def quantized_linear(
     parts: Sequence[GGUFTensor], biases: Sequence[torch.Tensor | None]
 ) -> QuantizedLinear | None:
-    """The projection in its blocks, or None where a part is of a type no kernel covers."""
+    """The projection in its blocks, or None where a part is of a type no kernel covers.
+    Neighbouring parts of one type are packed as one matrix from their file rows joined
+    (packing each and joining the packed ones would unpack and pack them again: several
+    times their bytes in temporaries, on every layer)."""
     if any(p.kind not in COVERED_KINDS for p in parts):
         return None
-    return QuantizedLinear([packed(p) for p in parts], fused_bias(biases))
+    runs = _runs_of_one_kind(parts)
+    return QuantizedLinear([_packed_run(run) for run in runs], fused_bias(biases))
+
+
+def _packed_run(run: Sequence[GGUFTensor]) -> BlockWeights:
+    if len(run) == 1:
+        return packed(run[0])
+    rows = np.concatenate([t.rows() for t in run])
+    shape = (rows.shape[0], run[0].shape[1])
+    return BlockWeights.from_gguf(run[0].kind, rows, shape)
 
 
 def uncovered_kinds(tensors: Mapping[str, GGUFTensor]) -> list[str]:

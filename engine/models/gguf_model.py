@@ -39,6 +39,7 @@ from transformers import (
 )
 
 from engine.chat_template import ensure_chat_template
+from engine.heap import return_freed_heap
 from engine.models.gguf_config import CONFIG_ARRAYS, gguf_config
 from engine.models.gguf_index import GGUFIndex, read_gguf_index
 
@@ -82,11 +83,12 @@ def open_gguf(
     index = read_gguf_index(path, CONFIG_ARRAYS)
     config = gguf_config(index)
     tokenizer = gguf_tokenizer(path, index, cache_root, say)
+    return_freed_heap()  # the tokenizer's parse: hundreds of MB of temporaries (engine/heap.py)
     ensure_chat_template(tokenizer, path, fallback_template)
     tokenizer.model_max_length = config.max_position_embeddings
-    vocab = tokenizer.get_vocab()
     ends = [index.metadata.get(key) for key in _END_IDS] + [tokenizer.eos_token_id]
-    ends += [vocab.get(token) for token in TURN_ENDS]
+    # token_to_id: None where absent (get_vocab would build a dict of the whole vocabulary)
+    ends += [tokenizer.backend_tokenizer.token_to_id(token) for token in TURN_ENDS]
     eos_ids: list[int] = []
     for token_id in ends:
         if isinstance(token_id, int) and token_id not in eos_ids:

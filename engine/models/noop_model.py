@@ -17,7 +17,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import LlamaConfig
 
 from engine.models.tiny_model import SPECIAL_TOKENS, build_tiny_tokenizer
 from protocol import NOOP_MODEL
@@ -32,6 +31,8 @@ class NoopModel(torch.nn.Module):
 
     def __init__(self, vocab_size: int, eos_token_id: int, step_s: float):
         super().__init__()
+        from transformers import LlamaConfig  # 2 s and 60 MB to import: only for a noop model
+
         self.config = LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=HEAD_DIM,

@@ -18,16 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    Gemma3TextConfig,
-    LlamaConfig,
-    Phi3Config,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    SmolLM3Config,
-)
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from engine.models.families import family_switches
 
@@ -65,13 +58,18 @@ class SpecialTokens:
 
 @dataclass(frozen=True, slots=True)
 class RandomModelSpec:
-    config_class: type[PretrainedConfig]
-    # transformers' model class, by name: importing the modeling modules costs seconds, which
-    # a process serving a GGUF file never needs (`_model_class` resolves it when one is built)
+    # transformers' config and model classes, by name: importing LlamaConfig's module costs 2 s
+    # and 60 MB, the modeling modules seconds more, which a process serving a Gemma GGUF file
+    # never needs (`config_class`, `_model_class` resolve them when one is built)
+    config_class_name: str
     model_class_name: str
     published: Mapping[str, Any]  # the real checkpoint's config.json architecture values
     tokens: SpecialTokens
     num_params: float  # the published size, which count_parameters of the config reproduces
+
+    @property
+    def config_class(self) -> type[PretrainedConfig]:
+        return getattr(transformers, self.config_class_name)
 
 
 # Llama 3: BOS/EOT at their real ids; the ChatML markers take the ids of <|start_header_id|> and
@@ -153,7 +151,7 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
 
 RANDOM_MODELS: dict[str, RandomModelSpec] = {
     "llama-3.2-1b": RandomModelSpec(
-        LlamaConfig,
+        "LlamaConfig",
         "LlamaForCausalLM",
         {
             **_LLAMA3_COMMON,
@@ -168,7 +166,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
         1.24e9,
     ),
     "llama-3.1-8b": RandomModelSpec(
-        LlamaConfig,
+        "LlamaConfig",
         "LlamaForCausalLM",
         {
             **_LLAMA3_COMMON,
@@ -183,7 +181,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
         8.03e9,
     ),
     "qwen3-8b": RandomModelSpec(
-        Qwen3Config,
+        "Qwen3Config",
         "Qwen3ForCausalLM",
         {
             "vocab_size": 151936,
@@ -210,7 +208,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     # Five sliding layers (window 512, RoPE base 10k) to one global (base 1M); layer_types
     # follows from the config's pattern, so a shrunk model keeps it.
     "gemma3-270m": RandomModelSpec(
-        Gemma3TextConfig,
+        "Gemma3TextConfig",
         "Gemma3ForCausalLM",
         {
             "vocab_size": 262144,
@@ -240,7 +238,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     ),
     # Q/K/V and gate/up stored fused; 96 of each head's 128 dimensions rotated, by LongRoPE.
     "phi-4-mini": RandomModelSpec(
-        Phi3Config,
+        "Phi3Config",
         "Phi3ForCausalLM",
         {
             "vocab_size": 200064,
@@ -269,7 +267,7 @@ RANDOM_MODELS: dict[str, RandomModelSpec] = {
     ),
     # Every fourth layer without RoPE (no_rope_layers follows from the interval).
     "smollm3-3b": RandomModelSpec(
-        SmolLM3Config,
+        "SmolLM3Config",
         "SmolLM3ForCausalLM",
         {
             "vocab_size": 128256,

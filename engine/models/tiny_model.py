@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from engine.chat_template import CHATML_TEMPLATE
 
@@ -57,6 +57,8 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     """Random float32 weights on CPU, the same on every call and every machine."""
+    from transformers import LlamaConfig  # 2 s and 60 MB to import (random_models.py says why)
+
     end_ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from engine.heap import return_freed_heap
 from engine.kernels import BlockWeights
 from engine.layers.dense import DenseEmbedding, DenseLinear
 from engine.layers.quantized import (
@@ -142,6 +143,7 @@ class GGUFWeights:
             layer = DenseLinear.fuse([self._dense(t) for t in parts], biases)
         for t in parts:
             t.release()
+        return_freed_heap()  # packing's temporaries, not kept to the end (engine/heap.py)
         return layer
 
     def embedding(self, prefix: str) -> nn.Module:
@@ -154,6 +156,7 @@ class GGUFWeights:
                 self._note_dense([table])
             layer = DenseEmbedding(self._dense(table))
         table.release()
+        return_freed_heap()
         return layer
 
     def _note_dense(self, tensors: Sequence[GGUFTensor]) -> None:

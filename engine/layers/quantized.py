@@ -58,12 +58,12 @@ class _Kinded(Protocol):
     kind: str
 
 
-K = TypeVar("K", bound=_Kinded)
+KindedT = TypeVar("KindedT", bound=_Kinded)
 
 
-def _runs_of_one_kind(parts: Sequence[K]) -> list[list[K]]:
+def _runs_of_one_kind(parts: Sequence[KindedT]) -> list[list[KindedT]]:
     """`parts` cut where the block type changes, in order."""
-    runs: list[list[K]] = []
+    runs: list[list[KindedT]] = []
     for p in parts:
         if runs and runs[-1][0].kind == p.kind:
             runs[-1].append(p)

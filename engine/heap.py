@@ -2,7 +2,7 @@
 
 glibc keeps the memory a process frees for its own later allocations, and the resident set
 keeps counting it. A large tokenizer's construction is the case here: the `tokenizers` library
-parses Gemma 3's 262,144 tokens and 514,906 merges through about 270 MB of temporaries, freed
+parses Gemma 3's 262,144 tokens and 514,906 merges through about 270 MiB of temporaries, freed
 once it is built, yet the process stayed that much larger for its whole life (measured in
 docs/notes/startup.md).
 """

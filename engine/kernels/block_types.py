@@ -42,6 +42,8 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from engine.huge_pages import huge_page_empty
+
 BLOCK = 32  # weights per block, along the input dimension
 GROUP = 16  # rows per record: one row per lane of a 16-float vector
 SUPER = 256  # weights per K-quant super-block
@@ -290,12 +292,14 @@ def pack(f: RowFields, bt: BlockType) -> torch.Tensor:
     parts.append(per_block(f.scales, bt.subs))
     if f.mins is not None:
         parts.append(per_block(f.mins, 1))
-    records = torch.cat(parts, dim=-1).view(groups, ns, bt.per_super * bt.record_bytes)
+    # The packed matrix is written straight into the memory it keeps (in huge pages).
+    out = huge_page_empty(groups * ns * bt.super_bytes).view(groups, ns, bt.super_bytes)
     if bt.per_super == 1:
-        return records.contiguous()
+        return torch.cat(parts, dim=-1, out=out.view(groups, nb, -1))
+    records = torch.cat(parts, dim=-1).view(groups, ns, bt.per_super * bt.record_bytes)
     header = [f.d] if f.dmin is None else [f.d, f.dmin]
     heads = [grouped(h).permute(0, 2, 1).contiguous().view(torch.uint8) for h in header]
-    return torch.cat([*(h.view(groups, ns, -1) for h in heads), records], dim=-1).contiguous()
+    return torch.cat([*(h.view(groups, ns, -1) for h in heads), records], dim=-1, out=out)
 
 
 def unpack(blocks: torch.Tensor, bt: BlockType, rows: int) -> RowFields:

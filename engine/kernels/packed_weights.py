@@ -15,6 +15,7 @@ a fused projection of one type) unpack to rows and repack.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Self
@@ -22,6 +23,7 @@ from typing import Self
 import numpy as np
 import torch
 
+from engine.huge_pages import huge_page_empty
 from engine.kernels import block_types, ops
 from engine.kernels.block_types import BLOCK, GROUP, BlockType, RowFields
 
@@ -118,7 +120,7 @@ class BlockWeights:
         # regrouping make a few copies of what they hold, which for the whole table would
         # briefly take several times its bytes.
         shape3 = (-(-n // GROUP), k // (BLOCK * bt.per_super), bt.super_bytes)
-        blocks = torch.empty(shape3, dtype=torch.uint8)
+        blocks = huge_page_empty(math.prod(shape3)).view(shape3)
         for start in range(0, n, PACK_ROWS):
             chunk = rows[start : start + PACK_ROWS]
             part = block_types.pack(bt.decode(chunk), bt)

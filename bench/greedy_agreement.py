@@ -16,7 +16,7 @@ import json
 import sys
 
 from bench.parity import greedy_parity_failure
-from engine.config import EngineConfig
+from engine.config import ACTIVATION_DIGITS, EngineConfig
 from engine.llm_engine import Engine
 from engine.models.model_loader import load_model
 from generation.sampling_params import SamplingParams
@@ -67,9 +67,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--activation-digits",
+        type=int,
+        choices=ACTIVATION_DIGITS,
+        default=2,
+        help="the default forward's int8 digits per activation (--activation-digits)",
+    )
     p.add_argument("--output", help="results JSON")
     args = p.parse_args()
-    report = compare(args.model, args.max_tokens)
+    report = compare(args.model, args.max_tokens, activation_digits=args.activation_digits)
     for r in report["prompts"]:
         verdict = "equal" if r["equal"] else f"differs at {r['first_diff']}"
         ok = "ok" if r["failure"] is None else "FAIL"

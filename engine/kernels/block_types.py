@@ -263,43 +263,58 @@ def block_type(kind: str | int) -> BlockType:
 
 
 def pack(f: RowFields, bt: BlockType) -> torch.Tensor:
-    """RowFields -> uint8 [G, NS, super_bytes] (rows padded with zeros to whole groups)."""
+    """RowFields -> uint8 [G, NS, super_bytes] (rows padded with zeros to whole groups).
+
+    Each field is written once, from a strided view of its rows, into its bytes of the packed
+    matrix (which lives in huge pages): no grouped, transposed or joined copies in between."""
     n, k = f.q.shape
     groups, nb = -(-n // GROUP), k // BLOCK
-    ns = nb // bt.per_super
+    ns, per = nb // bt.per_super, bt.per_super
     pad = groups * GROUP - n
+    out = huge_page_empty(groups * ns * bt.super_bytes).view(groups, ns, bt.super_bytes)
+    # [G, NS, records a super-block, record bytes]: a view of out behind each header.
+    records = out[..., bt.header_bytes :].unflatten(-1, (per, bt.record_bytes))
+
+    def record_bytes(start: int, width: int) -> torch.Tensor:  # [G, NS, per, width], of out
+        return records[..., start : start + width]
+
+    def by_record(t: torch.Tensor) -> torch.Tensor:  # [G, NB, ...] -> [G, NS, per, ...]
+        return t.unflatten(1, (ns, per))
 
     def grouped(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [G, 16, ...], zero padded
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).view(groups, GROUP, *t.shape[1:])
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+        return t.view(groups, GROUP, *t.shape[1:])
 
     # [G, 16 rows, NB, 32 elements] -> [G, NB, 32 elements, 16 rows]
     q = grouped(f.q.contiguous().view(torch.uint8)).view(groups, GROUP, nb, BLOCK)
     q = q.permute(0, 2, 3, 1)
-    if bt.lo_bits == 4:
+    lo = record_bytes(0, bt.lo_bytes).unflatten(-1, (-1, GROUP))
+    if bt.lo_bits == 4:  # the transposed levels once, contiguous: nibbles and planes read it
+        q = q.contiguous()
         low = q & 0x0F
-        parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(groups, nb, -1)]
+        lo.copy_(by_record(low[:, :, 0::2] | (low[:, :, 1::2] << 4)))
     else:
-        parts = [q.reshape(groups, nb, -1)]
+        lo.copy_(by_record(q))
     for plane in range(bt.hi_planes):  # [G, NB, 8 quads, 16 rows, 4] bits -> 8 bytes a quad
         bits = ((q >> (4 + plane)) & 1).reshape(groups, nb, 8, 4, GROUP).transpose(3, 4)
         packed = np.packbits(bits.reshape(groups, nb, 8, 64).numpy(), axis=-1, bitorder="little")
-        parts.append(torch.from_numpy(packed).reshape(groups, nb, 64))
+        plane_bytes = torch.from_numpy(packed).view(groups, nb, 64)
+        record_bytes(bt.lo_bytes + 64 * plane, 64).copy_(by_record(plane_bytes))
 
-    def per_block(t: torch.Tensor, per: int) -> torch.Tensor:  # [N, NB*per] -> [G, NB, bytes]
-        g = grouped(t).view(groups, GROUP, nb, per).permute(0, 2, 3, 1).contiguous()
-        return g.view(torch.uint8).reshape(groups, nb, -1)
+    def per_block(t: torch.Tensor, start: int, subs: int) -> None:  # [N, NB*subs] -> its bytes
+        g = grouped(t).view(groups, GROUP, nb, subs).permute(0, 2, 3, 1)
+        dst = record_bytes(start, subs * GROUP * t.element_size()).view(t.dtype)
+        dst.unflatten(-1, (subs, GROUP)).copy_(by_record(g))
 
-    parts.append(per_block(f.scales, bt.subs))
+    per_block(f.scales, bt.scales_offset, bt.subs)
     if f.mins is not None:
-        parts.append(per_block(f.mins, 1))
-    # The packed matrix is written straight into the memory it keeps (in huge pages).
-    out = huge_page_empty(groups * ns * bt.super_bytes).view(groups, ns, bt.super_bytes)
-    if bt.per_super == 1:
-        return torch.cat(parts, dim=-1, out=out.view(groups, nb, -1))
-    records = torch.cat(parts, dim=-1).view(groups, ns, bt.per_super * bt.record_bytes)
-    header = [f.d] if f.dmin is None else [f.d, f.dmin]
-    heads = [grouped(h).permute(0, 2, 1).contiguous().view(torch.uint8) for h in header]
-    return torch.cat([*(h.view(groups, ns, -1) for h in heads), records], dim=-1, out=out)
+        per_block(f.mins, bt.mins_offset, 1)
+    if per > 1:  # the super-blocks' d (and dmin), sixteen rows each, in front of the records
+        for i, h in enumerate([f.d] if f.dmin is None else [f.d, f.dmin]):
+            head = out[..., 2 * GROUP * i : 2 * GROUP * (i + 1)].view(torch.float16)
+            head.copy_(grouped(h).permute(0, 2, 1))  # [G, NS, 16 rows]
+    return out
 
 
 def unpack(blocks: torch.Tensor, bt: BlockType, rows: int) -> RowFields:

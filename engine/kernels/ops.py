@@ -50,15 +50,9 @@ SCHEMAS = {
         "(Tensor(a!) x, Tensor[] tensors, int[] matrices, Tensor[] cos, Tensor[] sin, "
         "Tensor slots, Tensor(b!) kv, Tensor block_tables, Tensor ctx_lens, int num_heads, "
         "int num_kv_heads, float eps, int[] windows, int[] rope_tables, Tensor[] out_norms, "
-        "float scale, int activation, Tensor[] lora_rows, Tensor[] lora, int[] lora_ints) -> ()"
+        "float scale, int activation, Tensor[] lora_rows, Tensor[] lora) -> ()"
     ),
-    "lora_add_slots_": (
-        "(Tensor(a!) y, Tensor x, Tensor[] rows, Tensor[] lora, int[] lora_ints) -> ()"
-    ),
-    "lora_add_": (
-        "(Tensor(a!) y, Tensor x, Tensor rows, Tensor a, Tensor[] b, Tensor[] scales, "
-        "int[] starts) -> ()"
-    ),
+    "lora_add_": "(Tensor(a!) y, Tensor x, Tensor[] rows, Tensor[] packs, int[] entries) -> ()",
 }
 
 # FRAGMENT: other modules may add their own jitney:: ops.
@@ -143,18 +137,12 @@ def _llama_decode_layers_fake(
     activation,
     lora_rows,
     lora,
-    lora_ints,
 ):
     return None
 
 
-@torch.library.register_fake("jitney::lora_add_slots_")
-def _lora_add_slots_fake(y, x, rows, lora, lora_ints):
-    return None
-
-
 @torch.library.register_fake("jitney::lora_add_")
-def _lora_add_fake(y, x, rows, a, b, scales, starts):
+def _lora_add_fake(y, x, rows, packs, entries):
     return None
 
 

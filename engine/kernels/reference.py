@@ -248,24 +248,37 @@ def paged_decode_(
         out[b] = (weights @ values)[:, 0]
 
 
+# An adapter's pack (csrc/ops.h, engine/lora/adapter_set.py KernelPack): int8 weights, float32
+# scales and a record per update of LORA_RECORD_INTS ints: parts (0: none), K, R, A's offset
+# and its scales', then per part its B's offset and its scales', rank, column start, rank
+# start and width.
+LORA_PACK_TENSORS = 3
+LORA_RECORD_INTS = 5 + 6 * 3
+
+
 def lora_add_(
     y: torch.Tensor,  # [T, out] float32, updated in place
     x: torch.Tensor,  # [T, in] float32
-    rows: torch.Tensor,  # [n] int64: the rows of y and x under this adapter
-    a: torch.Tensor,  # int8 [R / 16, K32 / 4, 64]: the parts' A stacked, in tiles
-    b: list[torch.Tensor],  # per part: int8 [ceil(out_p / 32), r_p / 4, 128], its B in chunks
-    scales: list[torch.Tensor],  # a's per rank [R], each b's per rank [r_p]
-    ints: list[int],  # per part: its first column of y, its first rank in a, its width out_p
+    rows: list[torch.Tensor],  # per adapter group: int64 [n], its rows of y and x
+    packs: list[torch.Tensor],  # per group: its adapter's pack, LORA_PACK_TENSORS tensors
+    entries: list[int],  # per group: the record of this projection's update
 ) -> None:
-    """One adapter's low-rank update of a (fused) projection, added to its rows of y
+    """Every group's low-rank update of a (fused) projection, added to its rows of y
     (csrc/lora_add.cpp: the layout is engine/lora/adapter_set.py's)."""
-    low = (x[rows] @ a_from_tiles(a)[:, : x.shape[1]].T) * scales[0]
-    for p, bt in enumerate(b):
-        start, rank_start, out = ints[3 * p : 3 * p + 3]
-        weights = b_from_chunks(bt, out) * scales[1 + p]  # [out, r]
-        y[rows, start : start + out] += (
-            low[:, rank_start : rank_start + weights.shape[1]] @ weights.T
-        )
+    for g, index in enumerate(rows):
+        weights, scales, records = packs[g * LORA_PACK_TENSORS : (g + 1) * LORA_PACK_TENSORS]
+        rec = records[entries[g]].tolist()
+        parts, k, r_total, a_at, a_scale_at = rec[:5]
+        if parts == 0:
+            continue
+        a = weights[a_at : a_at + r_total * k].view(r_total // 16, k // 4, 64)
+        low = (x[index] @ a_from_tiles(a)[:, : x.shape[1]].T) * scales[a_scale_at:][:r_total]
+        for p in range(parts):
+            b_at, b_scale_at, r, start, rank_start, out = rec[5 + 6 * p : 11 + 6 * p]
+            chunks = -(-out // 32)
+            b = weights[b_at : b_at + chunks * r * 32].view(chunks, r // 4, 128)
+            part = b_from_chunks(b, out) * scales[b_scale_at : b_scale_at + r]  # [out, r]
+            y[index, start : start + out] += low[:, rank_start : rank_start + r] @ part.T
 
 
 def a_from_tiles(a: torch.Tensor) -> torch.Tensor:
@@ -281,36 +294,6 @@ def b_from_chunks(b: torch.Tensor, out: int) -> torch.Tensor:
     chunks, groups = b.shape[:2]
     full = b.reshape(chunks, groups, 32, 4).permute(0, 2, 1, 3).reshape(chunks * 32, groups * 4)
     return full[:out].float()
-
-
-# One adapter's update of one projection as the kernels take it (a slot): A, each part's B
-# (padded to three), then A's and each B's int8 scales (padded likewise); its part count and
-# each part's column start, rank start and width (padded with zeros). An empty A: none.
-LORA_SLOT_TENSORS = 2 * (1 + 3)
-LORA_SLOT_INTS = 1 + 3 * 3
-
-
-def lora_add_slot(
-    y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, tensors: list, ints: list
-) -> None:
-    """One slot's update added to its rows of y (nothing for an empty slot)."""
-    a, parts = tensors[0], ints[0]
-    if a.numel():
-        scales = list(tensors[4 : 5 + parts]) if tensors[4].numel() else []
-        lora_add_(y, x, rows, a, list(tensors[1 : 1 + parts]), scales, ints[1 : 1 + 3 * parts])
-
-
-def lora_add_slots_(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    rows: list[torch.Tensor],  # per adapter group: its rows
-    lora: list[torch.Tensor],  # per group: its slot's LORA_SLOT_TENSORS
-    lora_ints: list[int],  # per group: LORA_SLOT_INTS
-) -> None:
-    """Every group's update of one projection (the per-layer path's one call for all)."""
-    nt, ni = LORA_SLOT_TENSORS, LORA_SLOT_INTS
-    for g, index in enumerate(rows):
-        lora_add_slot(y, x, index, lora[g * nt : (g + 1) * nt], lora_ints[g * ni : (g + 1) * ni])
 
 
 # llama_decode_layers_'s per-layer tensors: four vectors, then four matrices of four tensors.
@@ -355,24 +338,17 @@ def llama_decode_layers_(
     scale: float,  # the attention scores' scale
     activation: int,  # the MLP's gate: 0 SiLU, 1 GELU-tanh (engine/models/families.py)
     lora_rows: list[torch.Tensor] = (),  # type: ignore[assignment]  # per adapter group: rows
-    lora: list[torch.Tensor] = (),  # type: ignore[assignment]  # LORA_SLOT_TENSORS each
-    lora_ints: list[int] = (),  # type: ignore[assignment]  # LORA_SLOT_INTS each
+    lora: list[torch.Tensor] = (),  # type: ignore[assignment]  # per group: its adapter's pack
 ) -> None:
     """Every decoder layer of a decode-only step: the fused forward's layers, op for op, each
     matrix's LoRA updates added for their groups' rows."""
     num_tokens, per = x.shape[0], TENSORS_PER_DECODE_LAYER
     head_dim = kv.shape[-1]
     nt, ni = DECODE_MATRIX_TENSORS, DECODE_MATRIX_INTS
-    num_layers = len(windows)
 
     def linear(y_in: torch.Tensor, layer: int, matrix: int, mats, ints) -> torch.Tensor:
         y = _kind_linear(y_in, mats[matrix], ints[matrix])
-        for g, rows in enumerate(lora_rows):
-            at = (g * num_layers + layer) * 4 + matrix
-            nt, ni = LORA_SLOT_TENSORS, LORA_SLOT_INTS
-            lora_add_slot(
-                y, y_in, rows, lora[at * nt : (at + 1) * nt], lora_ints[at * ni : (at + 1) * ni]
-            )
+        lora_add_(y, y_in, list(lora_rows), list(lora), [layer * 4 + matrix] * len(lora_rows))
         return y
 
     h = rms_norm(x, tensors[0], eps)

@@ -8,15 +8,16 @@ output. What it costs is its own weights, never a copy of the base model's: the 
 stays as it is stored. The exact (dense) forward keeps them in its dtype and adds them with
 torch ops; the quantized forward keeps them in int8 with a float32 scale per rank (a decode step
 reads every one of them beside the base's 4-bit blocks, and reading them is what they cost: a
-quarter of float32's bytes) and adds them with jitney::lora_add_, also inside the one-call
-decode op (`ResidentAdapter.decode_tensors`).
+quarter of float32's bytes), every matrix of the adapter in one buffer in the order a decode
+step reads them (`KernelPack`), and adds them with jitney::lora_add_, also inside the one-call
+decode op: three tensors an adapter, whatever its number of updates.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +25,10 @@ from engine.errors import AdapterLoadError, UnknownAdapterError
 from engine.lora.adapter_files import AdapterFile, read_adapter
 
 FUSED = ("qkv", "o", "gate_up", "down")  # llama_decode_layers_'s matrices, in its order
-_EMPTY = torch.empty(0)  # an unused slot's tensor
-MAX_PARTS = 3  # Q, K, V (kernels/reference.py LORA_SLOT_TENSORS)
+MAX_PARTS = 3  # Q, K, V
+RECORD_INTS = 5 + 6 * MAX_PARTS  # kernels/reference.py LORA_RECORD_INTS, csrc/ops.h
 RANK_TILE = 16  # jitney::lora_add_ takes A's stacked ranks in tiles of 16 (csrc/lora_add.cpp)
+ALIGN = 64  # each matrix of a pack starts on a cache line
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,27 +49,7 @@ class FusedUpdate:
     a: torch.Tensor  # [R, in]: the parts' A stacked; for the kernel in tiles of 16 ranks
     parts: tuple[PartUpdate, ...]
     kernel: bool  # int8, added by jitney::lora_add_ (else torch ops in the model's dtype)
-    # The kernels' slot for it, made once (kernels/reference.py LORA_SLOT_TENSORS, _INTS): a,
-    # each part's b and the scales, padded to MAX_PARTS; the part count and starts.
-    slot_tensors: list[torch.Tensor] = field(default_factory=list)
-    slot_ints: list[int] = field(default_factory=list)
-
-    @classmethod
-    def of(
-        cls,
-        a: torch.Tensor,
-        parts: tuple[PartUpdate, ...],
-        kernel: bool,
-        scales: list[torch.Tensor] | None = None,
-    ) -> FusedUpdate:
-        if not kernel:
-            return cls(a, parts, kernel)
-        unused = MAX_PARTS - len(parts)
-        tensors = [a, *(p.b for p in parts), *[_EMPTY] * unused]
-        tensors += [*(scales or []), *[_EMPTY] * (1 + MAX_PARTS - len(scales or []))]
-        ints = [len(parts), *(i for p in parts for i in (p.start, p.rank_start, p.out))]
-        ints += [0] * 3 * unused
-        return cls(a, parts, kernel, tensors, ints)
+    entry: int = -1  # the kernel's: its record in the adapter's KernelPack
 
     def add_dense(self, y: torch.Tensor, x: torch.Tensor, rows: slice, index: torch.Tensor) -> None:
         """y[rows] += this update of x[rows], in place, in torch ops (`index`: the same rows as a
@@ -145,9 +127,7 @@ class ResidentAdapter:
     rank: int
     layers: tuple[dict[str, FusedUpdate], ...]
     nbytes: int
-    # llama_decode_layers_'s lora and lora_ints for this adapter (the quantized forward's).
-    decode_tensors: tuple[torch.Tensor, ...] = ()
-    decode_ints: tuple[int, ...] = ()
+    pack: KernelPack | None = None  # the quantized forward's (jitney::lora_add_)
 
 
 def lay_out(name: str, file: AdapterFile, targets: LoraTargets, max_rank: int) -> ResidentAdapter:
@@ -172,30 +152,114 @@ def lay_out(name: str, file: AdapterFile, targets: LoraTargets, max_rank: int) -
                 f"{pair.b.shape[0]}; the base model's maps {site.inp} -> {site.out}"
             )
         grouped[layer].setdefault(site.fused, []).append((site, pair.a, pair.b))
-    layers = []
-    nbytes = 0
+    if targets.kernel:
+        return _kernel_adapter(name, file, grouped)
+    layers, nbytes = [], 0
     for per_fused in grouped:
         updates = {}
         for fused, parts in per_fused.items():
-            parts.sort(key=lambda part: part[0].start)
-            if len(parts) > MAX_PARTS:
-                raise AdapterLoadError(f"LoRA adapter {name!r}: {fused} in overlapping parts")
-            if targets.kernel:
-                a, placed, scales = _kernel_layout(parts)
-            else:
-                a, placed, scales = _dense_layout(parts, targets)
-            update = FusedUpdate.of(a.contiguous(), tuple(placed), targets.kernel, scales)
-            nbytes += update.a.nbytes + sum(p.b.nbytes for p in placed)
-            nbytes += sum(t.nbytes for t in scales)
-            updates[fused] = update
+            a, placed = _dense_layout(_ordered(name, fused, parts), targets)
+            updates[fused] = FusedUpdate(a, tuple(placed), False)
+            nbytes += a.nbytes + sum(p.b.nbytes for p in placed)
         layers.append(updates)
-    tensors, ints = _decode_layout(layers) if targets.kernel else ((), ())
-    return ResidentAdapter(name, file.path, file.rank, tuple(layers), nbytes, tensors, ints)
+    return ResidentAdapter(name, file.path, file.rank, tuple(layers), nbytes)
 
 
-def _dense_layout(
-    parts: list[tuple[ProjectionSite, torch.Tensor, torch.Tensor]], targets: LoraTargets
-) -> tuple[torch.Tensor, list[PartUpdate], list[torch.Tensor]]:
+Parts = list[tuple["ProjectionSite", torch.Tensor, torch.Tensor]]
+
+
+def _ordered(name: str, fused: str, parts: Parts) -> Parts:
+    """A fused projection's parts in column order (at most MAX_PARTS)."""
+    if len(parts) > MAX_PARTS:
+        raise AdapterLoadError(f"LoRA adapter {name!r}: {fused} in overlapping parts")
+    return sorted(parts, key=lambda part: part[0].start)
+
+
+def _kernel_adapter(
+    name: str, file: AdapterFile, grouped: list[dict[str, Parts]]
+) -> ResidentAdapter:
+    """The quantized forward's adapter: every update in one KernelPack, record layer * 4 +
+    matrix (FUSED's order), the FusedUpdates views into it."""
+    laid = [
+        {fused: _kernel_layout(_ordered(name, fused, parts)) for fused, parts in per.items()}
+        for per in grouped
+    ]
+    pack = KernelPack.of([per.get(fused) for per in laid for fused in FUSED])
+    layers = []
+    for i, per in enumerate(laid):
+        updates = {}
+        for fused, (a, placed, _) in per.items():
+            entry = i * len(FUSED) + FUSED.index(fused)
+            record = pack.records[entry].tolist()
+            views = [
+                PartUpdate(p.start, p.rank_start, pack.view(record[5 + 6 * j], p.b), p.out)
+                for j, p in enumerate(placed)
+            ]
+            updates[fused] = FusedUpdate(pack.view(record[3], a), tuple(views), True, entry)
+        layers.append(updates)
+    return ResidentAdapter(name, file.path, file.rank, tuple(layers), pack.nbytes, pack)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPack:
+    """An adapter's updates as jitney::lora_add_ and the one-call decode op take them: every
+    matrix in one int8 buffer, in the order a decode step reads them (each update's A, then its
+    parts' B), their float32 scales in another, and a record per update saying where each lies
+    (RECORD_INTS ints, kernels/reference.py reads them; parts 0: no update). Three tensors an
+    adapter to pass a step, where a tensor per matrix would be hundreds."""
+
+    weights: torch.Tensor  # int8 [bytes]
+    scales: torch.Tensor  # float32 [n]
+    records: torch.Tensor  # int64 [updates, RECORD_INTS]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weights, self.scales, self.records]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def view(self, at: int, like: torch.Tensor) -> torch.Tensor:
+        """The matrix shaped as `like` that lies at byte `at` of the weights."""
+        return self.weights[at : at + like.numel()].view(like.shape)
+
+    @classmethod
+    def of(
+        cls, updates: Sequence[tuple[torch.Tensor, list[PartUpdate], list[torch.Tensor]] | None]
+    ) -> KernelPack:
+        """`updates` in _kernel_layout's form (None: no update at that record), in order."""
+        weights: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        records = torch.zeros(len(updates), RECORD_INTS, dtype=torch.int64)
+        sizes = [0, 0]
+
+        def put(t: torch.Tensor, into: list[torch.Tensor], which: int, align: int) -> int:
+            at = sizes[which]
+            flat = t.reshape(-1)
+            padded = -(-flat.numel() // align) * align
+            into += [flat, flat.new_zeros(padded - flat.numel())]
+            sizes[which] += padded
+            return at
+
+        for i, update in enumerate(updates):
+            if update is None:
+                continue
+            a, placed, sc = update
+            record = [len(placed), a.shape[1] * 4, a.shape[0] * RANK_TILE]
+            record += [put(a, weights, 0, ALIGN), put(sc[0], scales, 1, 1)]
+            for part, part_scale in zip(placed, sc[1:], strict=True):
+                b_at = put(part.b, weights, 0, ALIGN)
+                b_scale_at = put(part_scale, scales, 1, 1)
+                record += [b_at, b_scale_at, part.b.shape[1] * 4]
+                record += [part.start, part.rank_start, part.out]
+            records[i, : len(record)] = torch.tensor(record)
+        flat_weights = torch.cat(weights) if weights else torch.zeros(0, dtype=torch.int8)
+        flat_scales = torch.cat(scales) if scales else torch.zeros(0)
+        return cls(flat_weights.contiguous(), flat_scales.float().contiguous(), records)
+
+
+def _dense_layout(parts: Parts, targets: LoraTargets) -> tuple[torch.Tensor, list[PartUpdate]]:
     """The parts' A stacked [R, in] and each B [out, r], in the model's dtype."""
     a = torch.cat([pa for _, pa, _ in parts]).to(targets.device, targets.dtype)
     placed, rank_start = [], 0
@@ -203,12 +267,10 @@ def _dense_layout(
         b = pb.to(targets.device, targets.dtype)
         placed.append(PartUpdate(site.start, rank_start, b, site.out))
         rank_start += pa.shape[0]
-    return a, placed, []
+    return a, placed
 
 
-def _kernel_layout(
-    parts: list[tuple[ProjectionSite, torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, list[PartUpdate], list[torch.Tensor]]:
+def _kernel_layout(parts: Parts) -> tuple[torch.Tensor, list[PartUpdate], list[torch.Tensor]]:
     """jitney::lora_add_'s layout (csrc/lora_add.cpp): int8 with a scale per rank, each
     matrix one sequential stream in the order the kernel reads it. A: the parts' A stacked,
     each part's ranks padded to a multiple of 4 (its rank start is one), the stack to
@@ -257,21 +319,6 @@ def _int8_columns(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     largest = m.abs().amax(0)
     scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
     return torch.round(m / scale).clamp(-127, 127).to(torch.int8), scale.float().contiguous()
-
-
-def _decode_layout(
-    layers: list[dict[str, FusedUpdate]],
-) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """Per layer and matrix, its update's slot (an unused slot where it has none)."""
-    unused = FusedUpdate.of(_EMPTY, (), True)
-    tensors: list[torch.Tensor] = []
-    ints: list[int] = []
-    for updates in layers:
-        for fused in FUSED:
-            update = updates.get(fused, unused)
-            tensors += update.slot_tensors
-            ints += update.slot_ints
-    return tuple(tensors), tuple(ints)
 
 
 class AdapterSet:

@@ -53,8 +53,8 @@ class StepAdapters:
         """y (a projection's output for x) with each group's update of `fused` in `layer`
         added to its rows; y is updated in place and returned."""
         rows: list[torch.Tensor] = []
-        tensors: list[torch.Tensor] = []
-        ints: list[int] = []
+        packs: list[torch.Tensor] = []
+        entries: list[int] = []
         for group in self.groups:
             update = group.adapter.layers[layer].get(fused)
             if update is None:
@@ -63,17 +63,16 @@ class StepAdapters:
                 update.add_dense(y, x, group.rows, group.index)
                 continue
             rows.append(group.index)
-            tensors += update.slot_tensors
-            ints += update.slot_ints
+            packs += group.adapter.pack.tensors
+            entries.append(update.entry)
         if rows:  # the kernel's: every adapter's update in one call
-            torch.ops.jitney.lora_add_slots_(y, x, rows, tensors, ints)
+            torch.ops.jitney.lora_add_(y, x, rows, packs, entries)
         return y
 
-    def decode_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """llama_decode_layers_'s lora_rows, lora and lora_ints for this step."""
-        tensors: list[torch.Tensor] = []
-        ints: list[int] = []
+    def decode_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """llama_decode_layers_'s lora_rows and lora (each group's adapter's pack) for this
+        step."""
+        packs: list[torch.Tensor] = []
         for group in self.groups:
-            tensors += group.adapter.decode_tensors
-            ints += group.adapter.decode_ints
-        return [g.index for g in self.groups], tensors, ints
+            packs += group.adapter.pack.tensors
+        return [g.index for g in self.groups], packs

@@ -206,7 +206,7 @@ class LlamaForward(nn.Module):
         x = x.contiguous()
         if self._decode_layers is not None and _decode_only(meta, kv_cache, x.shape[0]):
             tensors, matrices, out_norms = self._decode_layers
-            lora_rows, lora_tensors, lora_ints = lora.decode_arguments() if lora else ([], [], [])
+            lora_rows, lora_packs = lora.decode_arguments() if lora else ([], [])
             group = meta.decodes[0]
             ops.llama_decode_layers_(
                 x,
@@ -227,8 +227,7 @@ class LlamaForward(nn.Module):
                 s.switches.attention_scale,
                 s.switches.activation_kind,
                 lora_rows,
-                lora_tensors,
-                lora_ints,
+                lora_packs,
             )
             return x
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)

@@ -170,34 +170,56 @@ def test_runtime_add_remove_and_lru(files) -> None:
 )
 @pytest.mark.parametrize("rows_per_group", [(1, 2), (3, 9)], ids=["one-thread", "two-threads"])
 def test_the_update_kernel_matches_its_reference(isa, rows_per_group) -> None:
-    """jitney::lora_add_slots_ (C++) against its torch definition, at each instruction set the
-    CPU has: two adapter groups, rows scattered, inputs not a whole block, parts whose widths
-    are not whole chunks and ranks not multiples of four."""
+    """jitney::lora_add_ (C++) against its torch definition, at each instruction set the CPU
+    has: two adapter groups (the second's update its pack's second record, after one with
+    none), rows scattered, inputs not a whole block, parts whose widths are not whole chunks
+    and ranks not multiples of four."""
     from engine.kernels import reference
-    from engine.lora.adapter_set import FusedUpdate, ProjectionSite, _kernel_layout
+    from engine.lora.adapter_set import KernelPack, ProjectionSite, _kernel_layout
 
     g = torch.Generator().manual_seed(0)
     in_width = 40 if rows_per_group[1] < 4 else 700
     total = sum(rows_per_group) + 2
     x, y = torch.randn(total, in_width, generator=g), torch.randn(total, 57, generator=g)
-    slots, ints = [], []
-    for _ in range(2):
+    packs, entries = [], []
+    for group in range(2):
         sites = (ProjectionSite("qkv", 0, 37, in_width), ProjectionSite("qkv", 37, 20, in_width))
         parts = [
             (site, torch.randn(r, in_width, generator=g), torch.randn(site.out, r, generator=g))
             for site, r in zip(sites, (8, 5), strict=True)
         ]
-        a, placed, scales = _kernel_layout(parts)
-        update = FusedUpdate.of(a, tuple(placed), True, scales)
-        slots += update.slot_tensors
-        ints += update.slot_ints
+        packs += KernelPack.of([None] * group + [_kernel_layout(parts)]).tensors
+        entries.append(group)
     order = torch.randperm(total, generator=g)
     rows = [order[: rows_per_group[0]], order[rows_per_group[0] : sum(rows_per_group)]]
     want = y.clone()
-    reference.lora_add_slots_(want, x, rows, slots, ints)
+    reference.lora_add_(want, x, rows, packs, entries)
     largest = (want - y).abs().max().item()
-    torch.ops.jitney.lora_add_slots_(y, x, rows, slots, ints)
+    torch.ops.jitney.lora_add_(y, x, rows, packs, entries)
     # VNNI's activations are two int8 digits a value (about 15 bits): its error is relative to
     # the update's scale, not to each sum, which may cancel.
     atol = 1e-4 * largest if isa in ("vnni", "amx") else 1e-5 * largest
     torch.testing.assert_close(y, want, rtol=0, atol=atol)
+
+
+@pytest.mark.skipif(
+    not kernel_backend().is_native, reason=f"C++ kernels not in use: {kernel_backend().reason}"
+)
+def test_the_update_kernel_refuses_a_pack_that_does_not_hold_its_records() -> None:
+    """A pack is data from Python: a record pointing past its buffers, an entry past its
+    records or a rank start past A's ranks fails with a clear error, before any read."""
+    from engine.lora.adapter_set import KernelPack, ProjectionSite, _kernel_layout
+
+    g = torch.Generator().manual_seed(0)
+    site = ProjectionSite("o", 0, 40, 32)
+    layout = _kernel_layout([(site, torch.randn(8, 32, generator=g), torch.randn(40, 8))])
+    x, y, rows = torch.randn(2, 32), torch.zeros(2, 40), torch.tensor([0, 1])
+    cases = {(0, 3): "A does not fit", (0, 5): "part 0 does not fit", (0, 9): "a's ranks"}
+    for (entry, field), message in cases.items():
+        pack = KernelPack.of([layout])
+        pack.records[entry, field] = 10**6 if field != 9 else 16
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.jitney.lora_add_(y, x, [rows], pack.tensors, [entry])
+    with pytest.raises(RuntimeError, match="entry 1 outside the pack's 1 records"):
+        torch.ops.jitney.lora_add_(y, x, [rows], KernelPack.of([layout]).tensors, [1])
+    assert y.abs().sum() == 0  # nothing was added by the refused calls

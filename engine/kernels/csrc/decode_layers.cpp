@@ -18,10 +18,9 @@
 // rope_tables naming each layer's (R: the rotated width, 0 for a layer without RoPE);
 // out_norms, none or per layer the norms of the attention's and the MLP's outputs (Gemma);
 // scale, the attention scores'; activation, the MLP's gate (0 SiLU, 1 GELU-tanh).
-// LoRA (engine/lora/): lora_rows, per adapter group its rows of the step; lora, per group, layer
-// and matrix a slot of kLoraSlotTensors (ops.h: A, each part's B and their int8 scales; an
-// empty A: no update); lora_ints, per group,
-// layer and matrix kLoraSlotInts (parts, then each part's column start, rank start and width).
+// LoRA (engine/lora/): lora_rows, per adapter group its rows of the step; lora, per group its
+// adapter's pack (ops.h: kLoraPackTensors tensors), whose record layer * 4 + matrix is that
+// matrix's update.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -45,21 +44,17 @@ constexpr int64_t kTensorsPerMatrix = 1 + kMaxParts;
 constexpr int64_t kIntsPerMatrix = 2 + 2 * kMaxParts;
 constexpr int64_t kTensorsPerLayer = kVectors + kMatrices * kTensorsPerMatrix;
 
-// A step's LoRA updates: each group's rows and its tensors and ints per layer and matrix.
+// A step's LoRA updates: each group's rows and its adapter's pack.
 struct Lora {
-  at::TensorList rows, tensors;
-  at::IntArrayRef ints;
-  int64_t layers;
+  at::TensorList rows, packs;
 
   void add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t matrix) const {
     if (rows.empty()) return;
-    std::vector<LoraSlot> slots;
+    std::vector<LoraGroup> groups;
     for (size_t g = 0; g < rows.size(); ++g) {
-      const int64_t i = (static_cast<int64_t>(g) * layers + layer) * kMatrices + matrix;
-      slots.push_back({&rows[g], tensors.data() + i * kLoraSlotTensors,
-                       ints.data() + i * kLoraSlotInts});
+      groups.push_back({&rows[g], packs.data() + g * kLoraPackTensors, layer * kMatrices + matrix});
     }
-    lora_add_groups(y, x, slots);  // every adapter of the step in one parallel region
+    lora_add_groups(y, x, groups);  // every adapter of the step in one parallel region
   }
 };
 
@@ -81,7 +76,7 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
                           int64_t num_heads, int64_t num_kv_heads, double eps,
                           at::IntArrayRef windows, at::IntArrayRef rope_tables,
                           at::TensorList out_norms, double scale, int64_t activation,
-                          at::TensorList lora_rows, at::TensorList lora, at::IntArrayRef lora_ints) {
+                          at::TensorList lora_rows, at::TensorList lora) {
   const char* op = "llama_decode_layers_";
   const int64_t L = static_cast<int64_t>(windows.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == L * kTensorsPerLayer, op, ": ",
@@ -105,12 +100,14 @@ void llama_decode_layers_(at::Tensor& x, at::TensorList tensors, at::IntArrayRef
               ": out_norms must be empty or two per layer, got ", out_norms.size());
   TORCH_CHECK(activation == 0 || activation == 1, op, ": activation ", activation,
               " is neither 0 (SiLU) nor 1 (GELU-tanh)");
-  const int64_t G = static_cast<int64_t>(lora_rows.size());
-  TORCH_CHECK(static_cast<int64_t>(lora.size()) == G * L * kMatrices * kLoraSlotTensors &&
-                  static_cast<int64_t>(lora_ints.size()) == G * L * kMatrices * kLoraSlotInts,
-              op, ": LoRA tensors and ints must be ", kLoraSlotTensors, " and ", kLoraSlotInts,
-              " per group, layer and matrix");
-  const Lora adapters{lora_rows, lora, lora_ints, L};
+  TORCH_CHECK(lora.size() == kLoraPackTensors * lora_rows.size(), op, ": ", kLoraPackTensors,
+              " LoRA tensors per group (a pack), got ", lora.size(), " for ", lora_rows.size());
+  for (size_t g = 0; g < lora_rows.size(); ++g) {
+    const at::Tensor& records = lora[g * kLoraPackTensors + 2];
+    TORCH_CHECK(records.dim() == 2 && records.size(0) == L * kMatrices, op, ": group ", g,
+                "'s pack must hold a record per layer and matrix (", L * kMatrices, ")");
+  }
+  const Lora adapters{lora_rows, lora};
   const int64_t T = x.size(0), H = num_heads, D = kv.size(5);
   const int64_t num_slots = kv.size(2) * kv.size(3);
   at::Tensor h = rms_norm(x, tensors[0], eps);

@@ -1,5 +1,5 @@
-// jitney::lora_add_: one LoRA adapter's low-rank update added to a projection's output, for the
-// rows of the step that run under it.
+// jitney::lora_add_: LoRA adapters' low-rank updates added to a projection's output, each
+// adapter's for the rows of the step that run under it.
 //
 //   y[t, start_p : start_p + out_p] += (x[t] @ A^T)[rank_start_p : + r_p] @ B_p^T
 //
@@ -12,8 +12,9 @@
 //        = A[16 t + l, 4 g + i]); the parts' A stacked, each part's ranks padded with zeros to
 //        a multiple of 4 (so every rank start is one), R to a multiple of 16, K to one of 32;
 //   b_p  [ceil(out_p / 32), r_p / 4, 128]: per chunk of 32 outputs, per four ranks, 32 lanes.
-// engine/lora/adapter_set.py lays adapters out so; kernels/reference.py reads the same layout.
-// Per part the slot's ints give its column start, rank start and width out_p.
+// An adapter's matrices lie in one int8 buffer in the order a decode step reads them, their
+// scales in one float32 buffer, and a record per update says where (ops.h: a pack);
+// engine/lora/adapter_set.py's KernelPack lays them out, kernels/reference.py reads the same.
 //
 // a's product is float32 multiply-adds (a projection has 16-64 ranks: rounding each row's x to
 // integer digits would cost as much as the products). b's, on VNNI CPUs, is integer dot
@@ -67,54 +68,68 @@ struct Update {
   int64_t part_chunks(int64_t p) const { return (out[p] + kChunk - 1) / kChunk; }
 };
 
-Update checked(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-               const at::Tensor& a, at::TensorList b, at::TensorList scales,
-               at::IntArrayRef starts) {
+// A group's record of its update (its pack checked: a pack is data from Python, and a wrong
+// one must fail here, not read past its buffers).
+const int64_t* record(const LoraGroup& group) {
+  const at::Tensor& weights = group.pack[0];
+  const at::Tensor& scales = group.pack[1];
+  const at::Tensor& records = group.pack[2];
+  TORCH_CHECK(weights.scalar_type() == at::kChar && weights.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  records.scalar_type() == at::kLong && records.is_contiguous() &&
+                  records.dim() == 2 && records.size(1) == kLoraRecordInts,
+              "lora_add_: a pack is int8 weights, float32 scales and int64 records [n, ",
+              kLoraRecordInts, "]");
+  TORCH_CHECK(group.entry >= 0 && group.entry < records.size(0), "lora_add_: entry ",
+              group.entry, " outside the pack's ", records.size(0), " records");
+  return records.data_ptr<int64_t>() + group.entry * kLoraRecordInts;
+}
+
+// One group's update, its record `rec` checked against the pack's buffers and the call's y
+// and x: every offset and size.
+Update from_record(const at::Tensor& y, const at::Tensor& x, const LoraGroup& group,
+                   const int64_t* rec) {
   const char* op = "lora_add_";
-  const int64_t K = round_up(x.size(1), kBlock);
-  TORCH_CHECK(a.scalar_type() == at::kChar && a.is_contiguous() && a.dim() == 3 &&
-                  a.size(1) * 4 == K && a.size(2) == 4 * kRankTile,
-              op, ": a must be contiguous int8 [R / 16, ", K / 4, ", 64]");
+  const at::Tensor& rows = *group.rows;
+  const at::Tensor& weights = group.pack[0];
+  const at::Tensor& scales = group.pack[1];
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, op, ": rows must be int64 [n]");
-  TORCH_CHECK(b.size() >= 1 && static_cast<int64_t>(b.size()) <= kLoraMaxParts &&
-                  starts.size() == 3 * b.size() && scales.size() == 1 + b.size(),
-              op, ": 1 to ", kLoraMaxParts, " parts, each with a scale tensor and three ints");
+  const int64_t W = weights.numel(), S = scales.numel();
+  const int64_t parts = rec[0], K = rec[1], R = rec[2], a_at = rec[3], a_scale_at = rec[4];
+  TORCH_CHECK(parts >= 1 && parts <= kLoraMaxParts, op, ": a record of ", parts, " parts");
+  TORCH_CHECK(K == round_up(x.size(1), kBlock) && R > 0 && R % kRankTile == 0 && a_at >= 0 &&
+                  a_at + R * K <= W && a_scale_at >= 0 && a_scale_at + R <= S,
+              op, ": entry ", group.entry, "'s A does not fit its pack or x's ", x.size(1),
+              " inputs");
   const int64_t n = rows.numel();
   const int64_t* rs = rows.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) {
     TORCH_CHECK(rs[j] >= 0 && rs[j] < y.size(0), op, ": row ", rs[j], " outside [0, ", y.size(0),
                 ")");
   }
-  const int64_t R = a.size(0) * kRankTile;
-  TORCH_CHECK(scales[0].scalar_type() == at::kFloat && scales[0].is_contiguous() &&
-                  scales[0].numel() == R,
-              op, ": a's scales must be float32 [", R, "]");
-  Update u{rs, n, K, R, a.data_ptr<int8_t>(), scales[0].data_ptr<float>(),
-           static_cast<int64_t>(b.size())};
+  const int8_t* w = weights.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  Update u{rs, n, K, R, w + a_at, sc + a_scale_at, parts};
   u.chunks = 0;
   u.work = n * R * K;
-  for (int64_t p = 0; p < u.parts; ++p) {
-    const at::Tensor& bp = b[p];
-    u.start[p] = starts[3 * p];
-    u.rank_start[p] = starts[3 * p + 1];
-    u.out[p] = starts[3 * p + 2];
-    TORCH_CHECK(bp.scalar_type() == at::kChar && bp.is_contiguous() && bp.dim() == 3 &&
-                    bp.size(0) == (u.out[p] + kChunk - 1) / kChunk && bp.size(1) * 4 <= kMaxRank &&
-                    bp.size(2) == 4 * kChunk,
-                op, ": part ", p, "'s b must be contiguous int8 [ceil(", u.out[p],
-                " / 32), r / 4, 128], r at most ", kMaxRank);
-    u.r[p] = bp.size(1) * 4;
-    TORCH_CHECK(u.start[p] >= 0 && u.out[p] > 0 && u.start[p] + u.out[p] <= y.size(1) &&
-                    u.rank_start[p] >= 0 && u.rank_start[p] % 4 == 0 &&
-                    u.rank_start[p] + u.r[p] <= R,
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t* part = rec + 5 + 6 * p;
+    const int64_t b_at = part[0], b_scale_at = part[1], r = part[2];
+    u.r[p] = r;
+    u.start[p] = part[3];
+    u.rank_start[p] = part[4];
+    u.out[p] = part[5];
+    TORCH_CHECK(r > 0 && r % 4 == 0 && r <= kMaxRank && u.out[p] > 0 && b_at >= 0 &&
+                    b_at + u.part_chunks(p) * r * kChunk <= W && b_scale_at >= 0 &&
+                    b_scale_at + r <= S,
+                op, ": entry ", group.entry, "'s part ", p, " does not fit its pack");
+    TORCH_CHECK(u.start[p] >= 0 && u.start[p] + u.out[p] <= y.size(1) && u.rank_start[p] >= 0 &&
+                    u.rank_start[p] % 4 == 0 && u.rank_start[p] + r <= R,
                 op, ": part ", p, " lies outside y's columns or a's ranks");
-    const at::Tensor& sp = scales[1 + p];
-    TORCH_CHECK(sp.scalar_type() == at::kFloat && sp.is_contiguous() && sp.numel() == u.r[p], op,
-                ": part ", p, "'s scales must be float32 [", u.r[p], "]");
-    u.b[p] = bp.data_ptr<int8_t>();
-    u.b_scale[p] = sp.data_ptr<float>();
+    u.b[p] = w + b_at;
+    u.b_scale[p] = sc + b_scale_at;
     u.chunks += u.part_chunks(p);
-    u.work += n * u.r[p] * u.out[p];
+    u.work += n * r * u.out[p];
   }
   u.rank_tiles = R / kRankTile;
   u.row_tiles = (n + kRowTile - 1) / kRowTile;
@@ -586,45 +601,32 @@ void run(at::Tensor& y, const at::Tensor& x, std::vector<Update>& us) {
 
 }  // namespace
 
-void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
-               at::TensorList b, at::TensorList scales, at::IntArrayRef starts) {
-  check_y_x(y, x);
-  std::vector<Update> us{checked(y, x, rows, a, b, scales, starts)};
-  run(y, x, us);
-}
-
-void lora_add_groups(at::Tensor& y, const at::Tensor& x, const std::vector<LoraSlot>& slots) {
+void lora_add_groups(at::Tensor& y, const at::Tensor& x, const std::vector<LoraGroup>& groups) {
   check_y_x(y, x);
   std::vector<Update> us;
-  for (const LoraSlot& s : slots) {
-    if (s.tensors[0].numel() == 0) continue;  // an unused slot
-    const int64_t parts = s.ints[0];
-    TORCH_CHECK(parts >= 1 && parts <= kLoraMaxParts, "lora slot: ", parts, " parts");
-    us.push_back(checked(y, x, *s.rows, s.tensors[0], at::TensorList(s.tensors + 1, parts),
-                         at::TensorList(s.tensors + 1 + kLoraMaxParts, 1 + parts),
-                         at::IntArrayRef(s.ints + 1, 3 * parts)));
+  for (const LoraGroup& g : groups) {
+    const int64_t* rec = record(g);
+    if (rec[0] != 0) us.push_back(from_record(y, x, g, rec));  // parts 0: no update here
   }
   run(y, x, us);
 }
 
-void lora_add_slots_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList lora,
-                     at::IntArrayRef lora_ints) {
+void lora_add_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList packs,
+               at::IntArrayRef entries) {
   const int64_t G = static_cast<int64_t>(rows.size());
-  TORCH_CHECK(static_cast<int64_t>(lora.size()) == G * kLoraSlotTensors &&
-                  static_cast<int64_t>(lora_ints.size()) == G * kLoraSlotInts,
-              "lora_add_slots_: ", kLoraSlotTensors, " tensors and ", kLoraSlotInts,
-              " ints per group");
-  std::vector<LoraSlot> slots;
+  TORCH_CHECK(static_cast<int64_t>(packs.size()) == G * kLoraPackTensors &&
+                  static_cast<int64_t>(entries.size()) == G,
+              "lora_add_: per group its rows, a pack of ", kLoraPackTensors,
+              " tensors and an entry");
+  std::vector<LoraGroup> groups;
   for (int64_t g = 0; g < G; ++g) {
-    slots.push_back({&rows[g], lora.data() + g * kLoraSlotTensors,
-                     lora_ints.data() + g * kLoraSlotInts});
+    groups.push_back({&rows[g], packs.data() + g * kLoraPackTensors, entries[g]});
   }
-  lora_add_groups(y, x, slots);
+  lora_add_groups(y, x, groups);
 }
 
 }  // namespace jitney_kernels
 
 TORCH_LIBRARY_IMPL(jitney, CPU, m) {
   m.impl("lora_add_", &jitney_kernels::lora_add_);
-  m.impl("lora_add_slots_", &jitney_kernels::lora_add_slots_);
 }

@@ -29,24 +29,23 @@ void paged_decode_(const at::Tensor& q, const at::Tensor& key_cache, const at::T
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
                    int64_t window, at::Tensor& out);
 
-// lora_add.cpp: one adapter's low-rank update of a projection, added to its rows of y; as a
-// slot (kLoraSlotTensors tensors: a, each part's b and the scales, padded to kLoraMaxParts;
-// kLoraSlotInts ints: the part count and each part's column start, rank start and width);
-// every group's slot in one call.
+// lora_add.cpp: adapters' low-rank updates of a projection, each added to its group's rows.
+// An adapter is a pack (engine/lora/adapter_set.py KernelPack) of kLoraPackTensors tensors:
+// int8 weights, float32 scales and int64 records [entries, kLoraRecordInts], one record per
+// update: parts (0: none), K, R, A's offset and its scales', then per part its B's offset and
+// its scales', rank r, column start, rank start and width.
 constexpr int64_t kLoraMaxParts = 3;  // Q, K, V
-constexpr int64_t kLoraSlotTensors = 2 * (1 + kLoraMaxParts);
-constexpr int64_t kLoraSlotInts = 1 + 3 * kLoraMaxParts;
-void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& a,
-               at::TensorList b, at::TensorList scales, at::IntArrayRef starts);
-// One group's slot: its rows, its kLoraSlotTensors tensors and kLoraSlotInts ints.
-struct LoraSlot {
+constexpr int64_t kLoraPackTensors = 3;
+constexpr int64_t kLoraRecordInts = 5 + 6 * kLoraMaxParts;
+// One group: its rows, its adapter's pack and the record of this projection's update.
+struct LoraGroup {
   const at::Tensor* rows;
-  const at::Tensor* tensors;
-  const int64_t* ints;
+  const at::Tensor* pack;
+  int64_t entry;
 };
-// Every group's slot of one projection in one parallel region (unused slots skipped).
-void lora_add_groups(at::Tensor& y, const at::Tensor& x, const std::vector<LoraSlot>& slots);
-void lora_add_slots_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList lora,
-                     at::IntArrayRef lora_ints);
+// Every group's update of one projection in one parallel region (groups with no update skipped).
+void lora_add_groups(at::Tensor& y, const at::Tensor& x, const std::vector<LoraGroup>& groups);
+void lora_add_(at::Tensor& y, const at::Tensor& x, at::TensorList rows, at::TensorList packs,
+               at::IntArrayRef entries);
 
 }  // namespace jitney_kernels

@@ -8,7 +8,8 @@ takes the file's blocks (engine/models/gguf_weights.py, engine/runner/model_runn
 The tokenizer is built once from the vocabulary in the metadata (transformers' GGUF tokenizer
 builders) and cached as tokenizer.json under the model cache, keyed by a digest of the file's
 header (the vocabulary is in it: a copy of the file anywhere shares the entry) and the
-transformers version that built it; later starts load it in milliseconds.
+transformers version that built it, in a compact form; later starts parse it (0.7 s for Gemma 3's
+262,144 tokens).
 
 `converted_gguf` is the older way, kept for what needs a transformers model: the exact mode
 (`--quantization none`, built on first use) and architectures no Jitney forward covers. It
@@ -50,6 +51,7 @@ TOKENIZER_CACHE = "gguf-tokenizers"
 # A cached tokenizer: the backend as tokenizers saves it, and the tokenizer's settings (special
 # tokens, add_bos_token, the chat template) as the GGUF states them.
 _TOKENIZER, _SETTINGS = "tokenizer.json", "settings.json"
+_CACHE_FORM = "compact"  # the entry's JSON form (compact_tokenizer_json): a new form, new entries
 # The metadata's token ids that end a generation (llama.cpp's end of text, of turn, of message).
 _END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
 _END_IDS += ("tokenizer.ggml.eom_token_id",)
@@ -100,7 +102,8 @@ def gguf_tokenizer(
     path: Path, index: GGUFIndex, cache_root: Path, say: Progress
 ) -> PreTrainedTokenizerFast:
     """The fast tokenizer the file's metadata describes, from the cache once built."""
-    cache = cache_root / TOKENIZER_CACHE / f"{index.header_digest[:24]}-{transformers.__version__}"
+    key = f"{index.header_digest[:24]}-{transformers.__version__}-{_CACHE_FORM}"
+    cache = cache_root / TOKENIZER_CACHE / key
     if (cache / _SETTINGS).is_file():
         settings = json.loads((cache / _SETTINGS).read_text())
         return PreTrainedTokenizerFast(tokenizer_file=str(cache / _TOKENIZER), **settings)
@@ -113,12 +116,24 @@ def gguf_tokenizer(
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
 
     def save(directory: Path) -> None:  # the settings last: they mark the entry complete
-        tokenizer.backend_tokenizer.save(str(directory / _TOKENIZER))
+        compact = compact_tokenizer_json(tokenizer.backend_tokenizer.to_str())
+        (directory / _TOKENIZER).write_text(compact, encoding="utf-8")
         (directory / _SETTINGS).write_text(json.dumps(settings))
 
     _write_atomically(cache, save)
     say(f"tokenizer built from {path.name}'s metadata in {time.monotonic() - start:.1f} s")
     return tokenizer
+
+
+def compact_tokenizer_json(text: str) -> str:
+    """A tokenizer's JSON on one line, each BPE merge "a b" where no token of any merge holds
+    a space (else the pairs stay lists, the only form that can say so): Gemma 3's 514,906
+    merges parse in 0.7 s this way, against 1.1 s as tokenizers saves them."""
+    data = json.loads(text)
+    merges = data.get("model", {}).get("merges")
+    if merges and all(isinstance(m, list) and " " not in m[0] + m[1] for m in merges):
+        data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def dense_from_gguf(

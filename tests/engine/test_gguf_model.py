@@ -336,3 +336,31 @@ def test_greedy_agreement_compares_the_file_s_blocks_with_the_exact_mode(llama_f
     assert report["passed"] == len(PROMPTS), report["prompts"]
     for row in report["prompts"]:
         assert row["equal"] == (row["first_diff"] is None)
+
+
+def test_the_cached_tokenizer_json_keeps_merge_pairs_only_where_a_token_has_a_space() -> None:
+    """compact_tokenizer_json writes merges as "a b" strings, which tokenizers parses faster,
+    unless a merged token holds a space: then "a b" would be ambiguous, and the pairs stay."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from engine.models.gguf_model import compact_tokenizer_json
+
+    def bpe(vocab: list[str], merges: list[tuple[str, str]]) -> Tokenizer:
+        tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split("|", "removed")
+        return tokenizer
+
+    plain = bpe(["a", "b", "c", "ab", "abc"], [("a", "b"), ("ab", "c")])
+    spaced = bpe(["a", " ", "b", "a ", "a b"], [("a", " "), ("a ", "b")])
+    for tokenizer, form in ((plain, str), (spaced, list)):
+        text = compact_tokenizer_json(tokenizer.to_str())
+        assert "\n" not in text and all(isinstance(m, form) for m in _merges(text))
+        again = Tokenizer.from_str(text)
+        for sample in ("abc|ab|ba", "a b|a |b"):
+            assert again.encode(sample).ids == tokenizer.encode(sample).ids
+
+
+def _merges(text: str) -> list:
+    import json
+
+    return json.loads(text)["model"]["merges"]

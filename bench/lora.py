@@ -67,8 +67,10 @@ def save_random_adapter(
 
 
 def _adapters_for(config: Any, root: Path, count: int, rank: int, targets: str) -> list[Path]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    # The architecture's own config class (a GGUF's llama config is engine's LlamaFields).
+    config = AutoConfig.for_model(**config.to_dict())
     paths = []
     for i in range(count):
         model = AutoModelForCausalLM.from_config(config)  # random: only its shapes matter

@@ -147,8 +147,9 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def unavailable_reason() -> str | None:
-    """Why the C++ kernels cannot be built here, or None when they can."""
+def unavailable_reason(to_build: bool = True) -> str | None:
+    """Why the C++ kernels cannot be built (or, `to_build` False, a built library cannot be
+    loaded) here, or None when they can."""
     if os.environ.get(KERNELS_ENV, "").strip().lower() == "reference":
         return f"{KERNELS_ENV}=reference is set"
     if not sys.platform.startswith("linux"):  # the flags are gcc's, the lock is flock
@@ -158,6 +159,8 @@ def unavailable_reason() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in {"AVX2", "AVX512"}:
         return f"the CPU has no AVX2 (torch reports {capability})"
+    if not to_build:  # a cached library needs no compiler: nor setuptools' import (0.14 s)
+        return None
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH)"
@@ -170,13 +173,13 @@ def unavailable_reason() -> str | None:
 
 def load_native() -> KernelBackend:
     """Build (once per source hash) and load the C++ library; the reference on any failure."""
-    reason = unavailable_reason()
+    target_dir = kernels_cache_dir() / source_hash()
+    library = target_dir / f"{LIBRARY_NAME}.so"
+    reason = unavailable_reason(to_build=not library.exists())
     if reason is not None:
         return KernelBackend("reference", reason)
     import fcntl  # Linux only, like the build (checked above)
 
-    target_dir = kernels_cache_dir() / source_hash()
-    library = target_dir / f"{LIBRARY_NAME}.so"
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
         with (target_dir / "build.lock").open("w") as lock:

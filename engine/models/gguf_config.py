@@ -2,8 +2,10 @@
 
 A GGUF carries no config.json: its metadata is the config, under llama.cpp's key names
 (`{arch}.block_count`, `{arch}.attention.head_count_kv`, ...). `gguf_config` turns it into the
-transformers config of the architecture's own class (LlamaConfig, Gemma3TextConfig, Phi3Config,
-...), which is what Jitney's forward is built from. Building a config is cheap; no model is.
+transformers config of the architecture's own class (Gemma3TextConfig, Phi3Config, ...), which is
+what Jitney's forward is built from. Building a config is cheap; no model is. The llama
+architecture's is `LlamaFields`, LlamaConfig's fields without its module (whose import costs a
+start 0.8 s: see the class).
 
 Where the converter stated a thing as a tensor or left it to llama.cpp's defaults, the config
 says it the way transformers does:
@@ -48,6 +50,32 @@ GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's: each sixth layer attends globally
 GEMMA3_PATTERN_KEY = "gemma3.attention.sliding_window_pattern"
 CONFIG_ARRAYS = (GEMMA3_PATTERN_KEY,)
 SMOLLM3_NO_ROPE_STEP = 4
+
+
+class LlamaFields(PretrainedConfig):
+    """LlamaConfig's fields and defaults, without its module: transformers'
+    configuration_llama imports its type validators, which pull in torch.distributed.tensor,
+    0.8 s and 60 MB of every llama GGUF's start (SmolLM2, Llama 3.x, Mistral), for a config
+    only Jitney's forward reads. The exact mode and the transformers fallback build their
+    models from a converted checkpoint's own config.json, as LlamaConfig."""
+
+    model_type = "llama"
+
+    def __init__(
+        self,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        hidden_act: str = "silu",
+        initializer_range: float = 0.02,
+        mlp_bias: bool = False,
+        pretraining_tp: int = 1,
+        use_cache: bool = True,
+        **fields: Any,
+    ):
+        self.attention_bias, self.attention_dropout = attention_bias, attention_dropout
+        self.hidden_act, self.initializer_range = hidden_act, initializer_range
+        self.mlp_bias, self.pretraining_tp, self.use_cache = mlp_bias, pretraining_tp, use_cache
+        super().__init__(**fields)
 
 
 class UndescribedGGUFError(ValueError):
@@ -113,7 +141,10 @@ def gguf_config(index: GGUFIndex) -> PretrainedConfig:
         "rope_parameters": _rope_parameters(key, head_dim),
     }
     _ARCH_FIELDS.get(key.arch, lambda key, fields: None)(key, fields)
-    config = AutoConfig.for_model(model_type, **fields)
+    if model_type == "llama":
+        config: PretrainedConfig = LlamaFields(**fields)
+    else:
+        config = AutoConfig.for_model(model_type, **fields)
     if hasattr(config, "attention_bias"):  # where the class has the switch (Llama, SmolLM3, ...)
         config.attention_bias = "blk.0.attn_q.bias" in key.tensors
     return config

@@ -445,6 +445,7 @@ def test_unavailable_reasons_say_what_is_missing(monkeypatch) -> None:
         mp.setattr(build.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
         mp.setenv("CXX", "/nonexistent/c++")
         assert unavailable_reason() == "no C++ compiler ('/nonexistent/c++' is not on PATH)"
+        assert unavailable_reason(to_build=False) is None  # a built library loads without one
 
 
 def test_failed_build_falls_back_with_the_error(monkeypatch, tmp_path) -> None:

@@ -69,7 +69,7 @@ def save_random_adapter(
 def _adapters_for(config: Any, root: Path, count: int, rank: int, targets: str) -> list[Path]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # The architecture's own config class (a GGUF's llama config is engine's LlamaFields).
+    # The architecture's own config class (a GGUF's config is gguf_config's FamilyConfig).
     config = AutoConfig.for_model(**config.to_dict())
     paths = []
     for i in range(count):

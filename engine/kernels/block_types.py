@@ -142,8 +142,13 @@ def _rows(q: np.ndarray) -> torch.Tensor:
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """Legacy blocks' 16 bytes -> 32 nibbles: byte j holds element j (low) and j + 16 (high)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    """Legacy blocks' 16 bytes -> 32 nibbles: byte j holds element j (low) and j + 16 (high).
+    Each half written in place (a concatenate would copy both halves once more)."""
+    half = qs.shape[-1]
+    out = np.empty((*qs.shape[:-1], 2 * half), dtype=np.uint8)
+    np.bitwise_and(qs, 0x0F, out=out[..., :half])
+    np.right_shift(qs, 4, out=out[..., half:])
+    return out
 
 
 def _high_bits_32(qh: np.ndarray) -> np.ndarray:
@@ -262,8 +267,9 @@ def block_type(kind: str | int) -> BlockType:
 # ---- RowFields <-> packed records ------------------------------------------------------------
 
 
-def pack(f: RowFields, bt: BlockType) -> torch.Tensor:
-    """RowFields -> uint8 [G, NS, super_bytes] (rows padded with zeros to whole groups).
+def pack(f: RowFields, bt: BlockType, into: torch.Tensor | None = None) -> torch.Tensor:
+    """RowFields -> uint8 [G, NS, super_bytes] (rows padded with zeros to whole groups),
+    written into `into` where given (a slice of a larger table's packed rows).
 
     Each field is written once, from a strided view of its rows, into its bytes of the packed
     matrix (which lives in huge pages): no grouped, transposed or joined copies in between."""
@@ -271,7 +277,9 @@ def pack(f: RowFields, bt: BlockType) -> torch.Tensor:
     groups, nb = -(-n // GROUP), k // BLOCK
     ns, per = nb // bt.per_super, bt.per_super
     pad = groups * GROUP - n
-    out = huge_page_empty(groups * ns * bt.super_bytes).view(groups, ns, bt.super_bytes)
+    if into is None:
+        into = huge_page_empty(groups * ns * bt.super_bytes)
+    out = into.view(groups, ns, bt.super_bytes)
     # [G, NS, records a super-block, record bytes]: a view of out behind each header.
     records = out[..., bt.header_bytes :].unflatten(-1, (per, bt.record_bytes))
 
@@ -290,10 +298,12 @@ def pack(f: RowFields, bt: BlockType) -> torch.Tensor:
     q = grouped(f.q.contiguous().view(torch.uint8)).view(groups, GROUP, nb, BLOCK)
     q = q.permute(0, 2, 3, 1)
     lo = record_bytes(0, bt.lo_bytes).unflatten(-1, (-1, GROUP))
-    if bt.lo_bits == 4:  # the transposed levels once, contiguous: nibbles and planes read it
+    if bt.lo_bits == 4 and bt.hi_planes:  # the transposed levels once: nibbles and planes read it
         q = q.contiguous()
         low = q & 0x0F
         lo.copy_(by_record(low[:, :, 0::2] | (low[:, :, 1::2] << 4)))
+    elif bt.lo_bits == 4:  # levels below 16 already: paired straight from the strided view
+        lo.copy_(by_record(q[:, :, 0::2] | (q[:, :, 1::2] << 4)))
     else:
         lo.copy_(by_record(q))
     for plane in range(bt.hi_planes):  # [G, NB, 8 quads, 16 rows, 4] bits -> 8 bytes a quad

@@ -123,8 +123,9 @@ class BlockWeights:
         blocks = huge_page_empty(math.prod(shape3)).view(shape3)
         for start in range(0, n, PACK_ROWS):
             chunk = rows[start : start + PACK_ROWS]
-            part = block_types.pack(bt.decode(chunk), bt)
-            blocks[start // GROUP : start // GROUP + part.shape[0]] = part
+            first = start // GROUP
+            into = blocks[first : first + -(-chunk.shape[0] // GROUP)]
+            block_types.pack(bt.decode(chunk), bt, into)  # straight into the table's rows
             if done is not None:
                 done(chunk)
         return cls(kind, blocks, n)

@@ -2,10 +2,10 @@
 
 A GGUF carries no config.json: its metadata is the config, under llama.cpp's key names
 (`{arch}.block_count`, `{arch}.attention.head_count_kv`, ...). `gguf_config` turns it into the
-transformers config of the architecture's own class (Gemma3TextConfig, Phi3Config, ...), which is
-what Jitney's forward is built from. Building a config is cheap; no model is. The llama
-architecture's is `LlamaFields`, LlamaConfig's fields without its module (whose import costs a
-start 0.8 s: see the class).
+config the architecture's transformers class (LlamaConfig, Gemma3TextConfig, Phi3Config, ...)
+would make of it, field for field, without importing that class (`FamilyConfig`: the import
+costs a start 0.4-1.2 s). That is what Jitney's forward is built from. Building a config is
+cheap; no model is.
 
 Where the converter stated a thing as a tensor or left it to llama.cpp's defaults, the config
 says it the way transformers does:
@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import numpy as np
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from engine.models.gguf_index import GGUFIndex
 
@@ -43,6 +44,8 @@ GGUF_MODEL_TYPES = {
     "smollm3": "smollm3",
 }
 _REQUIRED = object()
+# The model types whose config has an attention_bias switch (the file says by its q bias).
+_ATTENTION_BIAS = ("llama", "qwen3", "smollm3", "gemma3_text")
 # Llama 3.x's llama3 RoPE, as its configs state it (the factor is read from the tensor).
 _LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_CONTEXT = 1.0, 4.0, 8192
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's: each sixth layer attends globally
@@ -52,30 +55,57 @@ CONFIG_ARRAYS = (GEMMA3_PATTERN_KEY,)
 SMOLLM3_NO_ROPE_STEP = 4
 
 
-class LlamaFields(PretrainedConfig):
-    """LlamaConfig's fields and defaults, without its module: transformers'
-    configuration_llama imports its type validators, which pull in torch.distributed.tensor,
-    0.8 s and 60 MB of every llama GGUF's start (SmolLM2, Llama 3.x, Mistral), for a config
-    only Jitney's forward reads. The exact mode and the transformers fallback build their
-    models from a converted checkpoint's own config.json, as LlamaConfig."""
+# Each described family's defaults, as its transformers 5 config class states them (the test
+# compares every field with the class's), so that a GGUF's config imports no model package:
+# the first import under transformers.models indexes every model's source (0.4 s of a start),
+# and LlamaConfig's module pulls torch.distributed.tensor in (0.8 s more).
+_COMMON = {"attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
+_SILU = _COMMON | {"hidden_act": "silu"}
+_QWEN = _SILU | {"max_window_layers": 28, "sliding_window": None, "use_sliding_window": False}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _SILU | {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "qwen2": _QWEN,
+    "qwen3": _QWEN | {"attention_bias": False},
+    "gemma3_text": _COMMON
+    | {
+        "_sliding_window_pattern": GEMMA3_SLIDING_PATTERN,
+        "attention_bias": False,
+        "attn_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "use_bidirectional_attention": False,
+    },
+    "phi3": _SILU | {"embd_pdrop": 0.0, "resid_pdrop": 0.0},
+    "smollm3": _SILU
+    | {"attention_bias": False, "mlp_bias": False, "sliding_window": None}
+    | {"use_sliding_window": False},
+}
+# Families whose class states every layer's attention (all full: none of these slides here).
+_FULL_LAYER_TYPES = ("qwen2", "qwen3", "smollm3")
 
-    model_type = "llama"
 
-    def __init__(
-        self,
-        attention_bias: bool = False,
-        attention_dropout: float = 0.0,
-        hidden_act: str = "silu",
-        initializer_range: float = 0.02,
-        mlp_bias: bool = False,
-        pretraining_tp: int = 1,
-        use_cache: bool = True,
-        **fields: Any,
-    ):
-        self.attention_bias, self.attention_dropout = attention_bias, attention_dropout
-        self.hidden_act, self.initializer_range = hidden_act, initializer_range
-        self.mlp_bias, self.pretraining_tp, self.use_cache = mlp_bias, pretraining_tp, use_cache
+class FamilyConfig(PretrainedConfig):
+    """A described family's config without its class: the file's fields over the family's
+    defaults (FAMILY_DEFAULTS). Only Jitney's forward reads it; the exact mode and the
+    transformers fallback build their models from a converted checkpoint's own config.json."""
+
+    def __init__(self, **fields: Any):
+        # The defaults as attributes first: PretrainedConfig's __init__ drops some it is given
+        # (use_cache), as the family classes' own fields are not.
+        for name, value in FAMILY_DEFAULTS[self.model_type].items():
+            setattr(self, name, fields.pop(name, value))
+        if self.model_type in _FULL_LAYER_TYPES and fields.get("layer_types") is None:
+            fields["layer_types"] = ["full_attention"] * fields["num_hidden_layers"]
         super().__init__(**fields)
+
+
+@cache
+def family_config_class(model_type: str) -> type[FamilyConfig]:
+    """FamilyConfig for `model_type` (a class attribute in transformers' configs). Its own
+    __init__ in its namespace: transformers wraps a config class without one in an __init__ of
+    its own, which would not call FamilyConfig's."""
+    name = f"{model_type.title().replace('_', '')}Fields"
+    namespace = {"model_type": model_type, "__init__": FamilyConfig.__init__}
+    return type(name, (FamilyConfig,), namespace)
 
 
 class UndescribedGGUFError(ValueError):
@@ -109,6 +139,12 @@ class _Metadata:
 
 def gguf_config(index: GGUFIndex) -> PretrainedConfig:
     """The transformers config the file's metadata states."""
+    model_type, fields = gguf_config_fields(index)
+    return family_config_class(model_type)(**fields)
+
+
+def gguf_config_fields(index: GGUFIndex) -> tuple[str, dict[str, Any]]:
+    """The model_type and the config's fields the file's metadata states."""
     key = _Metadata(index)
     model_type = GGUF_MODEL_TYPES.get(key.arch)
     if model_type is None:
@@ -141,13 +177,9 @@ def gguf_config(index: GGUFIndex) -> PretrainedConfig:
         "rope_parameters": _rope_parameters(key, head_dim),
     }
     _ARCH_FIELDS.get(key.arch, lambda key, fields: None)(key, fields)
-    if model_type == "llama":
-        config: PretrainedConfig = LlamaFields(**fields)
-    else:
-        config = AutoConfig.for_model(model_type, **fields)
-    if hasattr(config, "attention_bias"):  # where the class has the switch (Llama, SmolLM3, ...)
-        config.attention_bias = "blk.0.attn_q.bias" in key.tensors
-    return config
+    if model_type in _ATTENTION_BIAS:
+        fields["attention_bias"] = "blk.0.attn_q.bias" in key.tensors
+    return model_type, fields
 
 
 def _rope_parameters(key: _Metadata, head_dim: int) -> dict[str, Any]:

@@ -83,6 +83,7 @@ def read_gguf_index(path: str | Path, arrays: Collection[str] = ()) -> GGUFIndex
         for name, dims, qtype, offset in infos
     ]
     digest = hashlib.sha256(reader.buf[: reader.offset]).hexdigest()
+    release_pages(data[: reader.offset])  # the header is read: its vocabulary's pages can go
     return GGUFIndex(metadata, tensors, kept, digest)
 
 

@@ -56,6 +56,9 @@ class LoadedModel:
     # The GGUF file the weights come from; `--quantization gguf` keeps its blocks
     # (engine/models/weight_sources.py).
     gguf_path: Path | None = None
+    # Its header, as read when the model was opened: the forward's loader maps the tensors
+    # from it rather than reading the header again (262,144 strings for Gemma's vocabulary).
+    gguf_index: Any = None
     # The model's generation_config.json as written (worker.generation_defaults takes its
     # sampling keys), and for the bundled SmolLM2 its authors' values; empty for in-process
     # models and GGUF files (their metadata holds no sampling keys).

@@ -183,6 +183,7 @@ class _GGUFLoad:
             **kv_shape(config),
             dense=DenseModel(build=build),
             gguf_path=path,
+            gguf_index=opened.index,
         )
 
 

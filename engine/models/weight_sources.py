@@ -102,6 +102,9 @@ class StateDictWeights:
         return DenseEmbedding(self.tensors[f"{prefix}.weight"])
 
 
+TRIM_BYTES = 8 << 20  # file bytes packed between two trims of the heap
+
+
 class GGUFWeights:
     """A GGUF file's tensors (engine/models/gguf_weights.py). With `quantized`, each projection
     and the embedding keep the file's blocks where a kernel covers their type
@@ -117,6 +120,7 @@ class GGUFWeights:
         self._tables: dict[str, QuantizedEmbedding] = {}
         # Quantized matrices of a type no kernel covers, by name -> type: dequantized alone.
         self.dense_fallbacks: dict[str, str] = {}
+        self._untrimmed = 0  # file bytes packed since the heap was last trimmed
 
     @property
     def dtype(self) -> torch.dtype:
@@ -143,7 +147,12 @@ class GGUFWeights:
             layer = DenseLinear.fuse([self._dense(t) for t in parts], biases)
         for t in parts:
             t.release()
-        return_freed_heap()  # packing's temporaries, not kept to the end (engine/heap.py)
+        # Packing's temporaries back to the system, not kept to the end (engine/heap.py); a
+        # trim after every small projection would hand back pages the next one faults in again.
+        self._untrimmed += sum(t.raw.nbytes for t in parts)
+        if self._untrimmed >= TRIM_BYTES:
+            return_freed_heap()
+            self._untrimmed = 0
         return layer
 
     def embedding(self, prefix: str) -> nn.Module:

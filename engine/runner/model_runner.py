@@ -19,7 +19,7 @@ from engine.layers.quantized import COVERED_KINDS
 from engine.lora.adapter_set import AdapterSet
 from engine.lora.step_rows import StepAdapters
 from engine.models.forward import ModelForward, TransformersForward
-from engine.models.gguf_weights import read_gguf_tensors
+from engine.models.gguf_weights import gguf_tensors, read_gguf_tensors
 from engine.models.llama import LlamaForward, UnsupportedArchitectureError, unsupported_because
 from engine.models.loaded_model import LoadedModel
 from engine.models.rotary import longrope_uses_long_factors
@@ -127,7 +127,10 @@ def _gguf_forward(loaded: LoadedModel, max_model_len: int | None) -> LlamaForwar
     if loaded.gguf_path is None:
         raise ValueError(f"quantization gguf needs a GGUF model; {loaded.name} is not one")
     _require_cpu_float32(loaded, "gguf")
-    _, tensors = read_gguf_tensors(loaded.gguf_path)
+    if loaded.gguf_index is not None:  # the header read when the model was opened
+        tensors = gguf_tensors(loaded.gguf_index)
+    else:
+        _, tensors = read_gguf_tensors(loaded.gguf_path)
     weights = GGUFWeights(tensors, torch.float32, quantized=True)
     forward = LlamaForward(loaded.config, weights, fused_ops=True, max_model_len=max_model_len)
     log_dense_fallbacks(weights.dense_fallbacks)

@@ -19,7 +19,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.llm_engine import Engine
-from engine.models.gguf_config import CONFIG_ARRAYS, UndescribedGGUFError, gguf_config
+from engine.models.gguf_config import (
+    CONFIG_ARRAYS,
+    FAMILY_DEFAULTS,
+    UndescribedGGUFError,
+    family_config_class,
+    gguf_config,
+    gguf_config_fields,
+)
 from engine.models.gguf_index import read_gguf_index
 from engine.models.gguf_model import TOKENIZER_CACHE, converted_gguf, gguf_cache_key
 from engine.models.gguf_weights import read_gguf_tensors
@@ -271,9 +278,13 @@ def test_a_family_s_file_maps_back_to_its_transformers_model(arch, tmp_path):
     assert set(tensors) == set(expected)
     for name, tensor in tensors.items():
         torch.testing.assert_close(tensor.dequantize(), expected[name], rtol=0, atol=0, msg=name)
-    config = gguf_config(read_gguf_index(path, CONFIG_ARRAYS))
+    index = read_gguf_index(path, CONFIG_ARRAYS)
+    config = gguf_config(index)
     want = model.config
     assert config.model_type == want.model_type
+    # Field for field what the family's transformers class makes of the same metadata.
+    model_type, fields = gguf_config_fields(index)
+    assert _fields(config) == _fields(AutoConfig.for_model(model_type, **fields))
     for field in SIZES + FAMILY_FIELDS[arch]:
         assert getattr(config, field) == getattr(want, field), field
     assert config.head_dim == (getattr(want, "head_dim", None) or 16)
@@ -364,3 +375,26 @@ def _merges(text: str) -> list:
     import json
 
     return json.loads(text)["model"]["merges"]
+
+
+def _fields(config: transformers.PretrainedConfig) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_a_family_config_is_its_transformers_class_field_for_field(model_type) -> None:
+    """The families no test file is written for (Qwen), and Llama: the config built without
+    the family's class has the class's every field and default (the others are compared on
+    their files, in test_a_family_s_file_maps_back_to_its_transformers_model)."""
+    # Every described family is compared, here or on its file.
+    assert set(FAMILY_DEFAULTS) == {t for t, _ in FAMILIES.values()} | {"qwen2", "qwen3"}
+    fields = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    config = family_config_class(model_type)(**fields)
+    assert config.model_type == model_type
+    assert _fields(config) == _fields(AutoConfig.for_model(model_type, **fields))

@@ -7,8 +7,6 @@ back only memory that asked for them. A buffer here is a fresh anonymous mapping
 before anything touches it, so its first writes fault in whole 2 MiB pages; copying into huge
 pages afterwards (MADV_COLLAPSE) took 1.5 s for 700 MB. Only the buffer's whole 2 MiB pages are
 advised: a partly used last page would count 2 MiB resident. Measured in docs/notes/block-types.md.
-
-The KV pool takes the other use of a fresh mapping: zeros that cost nothing until written.
 """
 
 from __future__ import annotations
@@ -44,14 +42,3 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     skip = -base.data_ptr() % HUGE_PAGE
     mapping.madvise(mmap.MADV_HUGEPAGE, skip, nbytes // HUGE_PAGE * HUGE_PAGE)
     return base[skip : skip + nbytes]
-
-
-def untouched_zeros(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of `nbytes` zeros that costs nothing until written: a fresh anonymous
-    mapping, whose pages the kernel hands out zeroed at their first touch. torch.zeros writes
-    every byte up front: 0.2 s for a 1 GiB KV pool at each start, and all of it resident
-    before the first request."""
-    if nbytes == 0:
-        return torch.zeros(0, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while it lives

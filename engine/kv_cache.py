@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-from engine.huge_pages import untouched_zeros
-
 _UNITS = {
     "": 1,
     "b": 1,
@@ -162,14 +160,12 @@ class PagedKVCache:
         self.decode_kernel = decode_kernel
         self.device = torch.device(device)
         # [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]; zeros so that reads of
-        # padding slots (always masked out) never see NaN/Inf garbage. On the CPU the zeros are
-        # pages the kernel zeroes at first touch: the pool grows resident as it is used.
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if self.device.type == "cpu":
-            nbytes = math.prod(shape) * spec.dtype.itemsize
-            self._storage = untouched_zeros(nbytes).view(spec.dtype).view(shape)
-        else:
-            self._storage = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        # padding slots (always masked out) never see NaN/Inf garbage.
+        self._storage = torch.zeros(
+            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=self.device,
+        )
         self.key_cache = [self._storage[i, 0] for i in range(spec.num_layers)]
         self.value_cache = [self._storage[i, 1] for i in range(spec.num_layers)]
         # Flat views of each layer, [num_slots, kv_heads, head_dim], for writes by slot.

@@ -44,8 +44,6 @@ GGUF_MODEL_TYPES = {
     "smollm3": "smollm3",
 }
 _REQUIRED = object()
-# The model types whose config has an attention_bias switch (the file says by its q bias).
-_ATTENTION_BIAS = ("llama", "qwen3", "smollm3", "gemma3_text")
 # Llama 3.x's llama3 RoPE, as its configs state it (the factor is read from the tensor).
 _LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_CONTEXT = 1.0, 4.0, 8192
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's: each sixth layer attends globally
@@ -177,7 +175,7 @@ def gguf_config_fields(index: GGUFIndex) -> tuple[str, dict[str, Any]]:
         "rope_parameters": _rope_parameters(key, head_dim),
     }
     _ARCH_FIELDS.get(key.arch, lambda key, fields: None)(key, fields)
-    if model_type in _ATTENTION_BIAS:
+    if "attention_bias" in FAMILY_DEFAULTS[model_type]:  # the class has the switch
         fields["attention_bias"] = "blk.0.attn_q.bias" in key.tensors
     return model_type, fields
 

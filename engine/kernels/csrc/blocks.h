@@ -175,6 +175,14 @@ struct Int8Digits {
   int32_t* lo_sum16;
   float* rounded_sum;
   int digits;
+  // The same buffers from token t on (K activations a token).
+  Int8Digits from_token(int64_t t, int64_t K) const {
+    const int64_t nb = t * (K / kBlock);
+    return {hi + t * K,        lo ? lo + t * K : nullptr,
+            scale + nb,        hi_sum16 + 2 * nb,
+            lo_sum16 ? lo_sum16 + 2 * nb : nullptr,
+            rounded_sum + nb,  digits};
+  }
 };
 void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out);
 // The one pass with integer dot products (quant_vnni.cpp); sx as above, or with one digit the

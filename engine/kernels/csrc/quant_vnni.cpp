@@ -28,13 +28,17 @@
 // 64-bit mask whose bit 4r + i is lane r's byte i, added in by one masked byte add.
 //
 // Every type is one instance of one kernel, reading its traits (blocks.h): the levels u are
-// unsigned, so a type's offset (Q5_0's 16, Q6_K's 32, and 128 for Q8_0's int8 quants read as
-// u = q + 128) comes off each sub-block's integer sum as offset times the activations' digits'
-// sum over the sub-block, exactly; the scale per sub-block (an f16, or a K-quant's integer times
+// unsigned, so a type's offset (Q4_0's 8, Q5_0's 16, Q6_K's 32, and 128 for Q8_0's int8 quants
+// read as u = q + 128) comes off each sub-block's integer sums exactly: they start at -offset
+// times the activations' digits' sum over the sub-block, worked out once a call per token
+// (offset_starts), not subtracted per row group (two scalar products, two broadcasts and two
+// subtractions per token and sub-block, which cost Q6_K as much as its dot products); the scale
+// per sub-block (an f16, or a K-quant's integer times
 // its super-block's d, exact in float32) and the minimum then enter the float epilogue.
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "blocks.h"
 
@@ -103,14 +107,19 @@ inline __m512i quads(const uint8_t* rec, int j) {
   }
 }
 
+// The offset of a type's levels as the kernel reads them (Q8_0's int8 quants as u = q + 128).
+template <Kind kKind>
+constexpr int kLevelOffset = traits(kKind).offset + (traits(kKind).lo_bits == 8 ? 128 : 0);
+
 // TT tokens (1-8) of group g, C independent integer sums per sub-block and token (C = 2 breaks
-// the chain of dependent vpdpbusd a block is for one or two tokens).
+// the chain of dependent vpdpbusd a block is for one or two tokens). start: where each token's
+// sums per sub-block begin (offset_starts), nullptr for a type without an offset.
 template <Kind kKind, int TT, int C, int kDigits>
-void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const float* sx,
-                int64_t t0, float* y, int64_t ldy) {
+void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const int32_t* start,
+                const float* sx, int64_t t0, float* y, int64_t ldy) {
   constexpr BlockTraits T = traits(kKind);
   constexpr int P = T.per_super(), kQuads = 8 / T.subs;
-  constexpr int kOffset = T.offset + (T.lo_bits == 8 ? 128 : 0);
+  constexpr int kOffset = kLevelOffset<kKind>;
   const int64_t K = w.K(), NB = w.NB, NS = NB / P, R = T.record_bytes();
   const uint8_t* end = w.base + w.bytes();
   __m512 acc[TT];
@@ -131,8 +140,14 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const flo
 #pragma GCC unroll 2
       for (int s = 0; s < T.subs; ++s) {
         __m512i hi[TT][C], lo[TT][C];
-        for (int t = 0; t < TT; ++t)
+        for (int t = 0; t < TT; ++t) {
           for (int c = 0; c < C; ++c) hi[t][c] = lo[t][c] = _mm512_setzero_si512();
+          if constexpr (kOffset != 0) {  // the levels were read as u: start at -offset * sum(x)
+            const int32_t* st = start + 2 * (((t0 + t) * NB + b) * T.subs + s);
+            hi[t][0] = _mm512_set1_epi32(st[0]);
+            if constexpr (kDigits == 2) lo[t][0] = _mm512_set1_epi32(st[1]);
+          }
+        }
 #pragma GCC unroll 8
         for (int jj = 0; jj < kQuads; ++jj) {
           const int j = s * kQuads + jj;
@@ -158,16 +173,6 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const flo
             sl = _mm512_add_epi32(sl, lo[t][1]);
           }
           const int64_t tb = (t0 + t) * NB + b;
-          if constexpr (kOffset != 0) {  // the levels were read as u: take off offset * sum(x)
-            const int32_t* hs = x.hi_sum16 + 2 * tb;
-            const int32_t* ls = x.lo_sum16 + 2 * tb;
-            const int32_t hsum = T.subs == 2 ? hs[s] : hs[0] + hs[1];
-            sh = _mm512_sub_epi32(sh, _mm512_set1_epi32(kOffset * hsum));
-            if constexpr (kDigits == 2) {
-              const int32_t lsum = T.subs == 2 ? ls[s] : ls[0] + ls[1];
-              sl = _mm512_sub_epi32(sl, _mm512_set1_epi32(kOffset * lsum));
-            }
-          }
           __m512 v = _mm512_cvtepi32_ps(sh);
           if constexpr (kDigits == 2) v = _mm512_fmadd_ps(v, _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(sl));
           acc[t] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(x.scale[tb])), acc[t]);
@@ -184,17 +189,37 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const flo
   for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + g * kGroup, mask, acc[t]);
 }
 
+// Per token and sub-block, -offset times the digits' sums over the sub-block (hi, then lo):
+// [T, NB * subs, 2], where the integer sums start.
+template <Kind kKind>
+const int32_t* offset_starts(const Int8Digits& x, int64_t T, int64_t NB) {
+  constexpr BlockTraits BT = traits(kKind);
+  static thread_local std::vector<int32_t> starts;  // kept: no allocation per call
+  starts.resize(2 * T * NB * BT.subs);
+  int32_t* out = starts.data();
+  for (int64_t tb = 0; tb < T * NB; ++tb) {
+    const int32_t* hs = x.hi_sum16 + 2 * tb;
+    const int32_t* ls = x.digits == 2 ? x.lo_sum16 + 2 * tb : hs;  // lo unused with one digit
+    for (int s = 0; s < BT.subs; ++s, out += 2) {
+      out[0] = -kLevelOffset<kKind> * (BT.subs == 2 ? hs[s] : hs[0] + hs[1]);
+      out[1] = -kLevelOffset<kKind> * (BT.subs == 2 ? ls[s] : ls[0] + ls[1]);
+    }
+  }
+  return starts.data();
+}
+
 template <Kind kKind>
 void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
                int64_t ldy, int64_t g0, int64_t g1) {
+  const int32_t* start = kLevelOffset<kKind> != 0 ? offset_starts<kKind>(x, T, w.NB) : nullptr;
   // Group-major with tiles of up to 8 tokens, as gemv_avx512.
   for (int64_t g = g0; g < g1; ++g) {
     token_tiles<8>(T, [&](auto tile, int64_t t0) {
       constexpr int TT = decltype(tile)::value;
       if (x.digits == 1) {
-        gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 1>(w, g, x, sx, t0, y, ldy);
+        gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 1>(w, g, x, start, sx, t0, y, ldy);
       } else {
-        gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 2>(w, g, x, sx, t0, y, ldy);
+        gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 2>(w, g, x, start, sx, t0, y, ldy);
       }
     });
   }

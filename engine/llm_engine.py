@@ -12,7 +12,6 @@ computed at the top of a step, before the plan); callers outside the engine read
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -111,10 +110,6 @@ class Engine:
         self.last_idle_check_s = 0.0  # the pool check the last step ran if it left us idle
         if progress is not None:
             progress(self.capacity.table())
-        # What the engine holds for its life (the tokenizer's vocabulary, the model's modules,
-        # the tables above) leaves the collector's generations: every full collection walked
-        # it, 5-7% of a one-user decode step's time on SmolLM2 (perf: gc_collect_main).
-        gc.freeze()
 
     def _fresh_scheduler(self) -> tuple[KVBlockManager, BatchingPolicy]:
         config = self.config

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace jitney_kernels {
 
@@ -185,10 +186,16 @@ struct Int8Digits {
   }
 };
 void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out);
-// The one pass with integer dot products (quant_vnni.cpp); sx as above, or with one digit the
-// rounded activations' sums.
-void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
-               int64_t ldy, int64_t g0, int64_t g1);
+// Where the one pass's integer sums start for a type whose levels carry an offset: per token
+// and sub-block, -offset times the digits' sums over the sub-block (hi, then lo), [T, NB * subs,
+// 2]; left empty for a type without one. Once per projection and type (quant_vnni.cpp).
+void offset_starts(Kind kind, const Int8Digits& x, int64_t T, int64_t NB,
+                   std::vector<int32_t>& starts);
+// The one pass with integer dot products (quant_vnni.cpp); start: offset_starts' for w's type
+// (nullptr for a type without an offset); sx as above, or with one digit the rounded
+// activations' sums.
+void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const int32_t* start, const float* sx,
+               int64_t T, float* y, int64_t ldy, int64_t g0, int64_t g1);
 // The same activations as one int16 each (quant_avx2_int.cpp): 254 hi + lo, or hi with one
 // digit; values [T, K], scale and rounded_sum [T, NB] as Int8Digits'.
 struct Int16Activations {

@@ -320,9 +320,20 @@ void one_pass(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y
     // A copy: the pool's threads name their own (empty) thread_local, not this one.
     const Int8Digits view = xq.view;
     if (minimum && digits == 1) sp = view.rounded_sum;
+    // Each type's start of the integer sums, once for all its parts and row groups.
+    static thread_local std::vector<int32_t> starts[kNumKinds];
+    const int32_t* start[kNumKinds] = {};
+    bool done[kNumKinds] = {};
+    for (const Part& p : parts) {
+      const int k = static_cast<int>(p.w.kind);
+      if (done[k]) continue;
+      done[k] = true;
+      offset_starts(p.w.kind, view, T, p.w.NB, starts[k]);
+      start[k] = starts[k].empty() ? nullptr : starts[k].data();
+    }
     parallel_chunks(groups, chunk, [&](int64_t begin, int64_t end) {
       for_part_groups(parts, begin, end, [&](const Part& p, int64_t g0, int64_t g1) {
-        gemv_vnni(p.w, view, sp, T, yp + p.col0, ldy, g0, g1);
+        gemv_vnni(p.w, view, start[static_cast<int>(p.w.kind)], sp, T, yp + p.col0, ldy, g0, g1);
       });
     });
     return;

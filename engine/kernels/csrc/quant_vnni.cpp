@@ -30,11 +30,11 @@
 // Every type is one instance of one kernel, reading its traits (blocks.h): the levels u are
 // unsigned, so a type's offset (Q4_0's 8, Q5_0's 16, Q6_K's 32, and 128 for Q8_0's int8 quants
 // read as u = q + 128) comes off each sub-block's integer sums exactly: they start at -offset
-// times the activations' digits' sum over the sub-block, worked out once a call per token
+// times the activations' digits' sum over the sub-block, worked out once a projection per token
 // (offset_starts), not subtracted per row group (two scalar products, two broadcasts and two
 // subtractions per token and sub-block, which cost Q6_K as much as its dot products); the scale
-// per sub-block (an f16, or a K-quant's integer times
-// its super-block's d, exact in float32) and the minimum then enter the float epilogue.
+// per sub-block (an f16, or a K-quant's integer times its super-block's d, exact in float32)
+// and the minimum then enter the float epilogue.
 
 #include <algorithm>
 #include <cstdint>
@@ -189,12 +189,13 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const int
   for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + g * kGroup, mask, acc[t]);
 }
 
-// Per token and sub-block, -offset times the digits' sums over the sub-block (hi, then lo):
-// [T, NB * subs, 2], where the integer sums start.
 template <Kind kKind>
-const int32_t* offset_starts(const Int8Digits& x, int64_t T, int64_t NB) {
+void offset_starts_kind(const Int8Digits& x, int64_t T, int64_t NB, std::vector<int32_t>& starts) {
   constexpr BlockTraits BT = traits(kKind);
-  static thread_local std::vector<int32_t> starts;  // kept: no allocation per call
+  if constexpr (kLevelOffset<kKind> == 0) {
+    starts.clear();
+    return;
+  }
   starts.resize(2 * T * NB * BT.subs);
   int32_t* out = starts.data();
   for (int64_t tb = 0; tb < T * NB; ++tb) {
@@ -205,13 +206,11 @@ const int32_t* offset_starts(const Int8Digits& x, int64_t T, int64_t NB) {
       out[1] = -kLevelOffset<kKind> * (BT.subs == 2 ? ls[s] : ls[0] + ls[1]);
     }
   }
-  return starts.data();
 }
 
 template <Kind kKind>
-void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
-               int64_t ldy, int64_t g0, int64_t g1) {
-  const int32_t* start = kLevelOffset<kKind> != 0 ? offset_starts<kKind>(x, T, w.NB) : nullptr;
+void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const int32_t* start, const float* sx,
+               int64_t T, float* y, int64_t ldy, int64_t g0, int64_t g1) {
   // Group-major with tiles of up to 8 tokens, as gemv_avx512.
   for (int64_t g = g0; g < g1; ++g) {
     token_tiles<8>(T, [&](auto tile, int64_t t0) {
@@ -257,9 +256,16 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
   }
 }
 
-void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const float* sx, int64_t T, float* y,
-               int64_t ldy, int64_t g0, int64_t g1) {
-  with_kind(w.kind, [&](auto kind) { gemv_kind<decltype(kind)::value>(w, x, sx, T, y, ldy, g0, g1); });
+void offset_starts(Kind kind, const Int8Digits& x, int64_t T, int64_t NB,
+                   std::vector<int32_t>& starts) {
+  with_kind(kind, [&](auto k) { offset_starts_kind<decltype(k)::value>(x, T, NB, starts); });
+}
+
+void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const int32_t* start, const float* sx,
+               int64_t T, float* y, int64_t ldy, int64_t g0, int64_t g1) {
+  with_kind(w.kind, [&](auto kind) {
+    gemv_kind<decltype(kind)::value>(w, x, start, sx, T, y, ldy, g0, g1);
+  });
 }
 
 }  // namespace jitney_kernels

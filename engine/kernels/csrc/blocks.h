@@ -186,15 +186,30 @@ struct Int8Digits {
   }
 };
 void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out);
+// Tokens the VNNI one pass serves from registers at a time: token_tiles<kVnniTile> cuts T
+// tokens into tiles of 8 and one of the rest.
+constexpr int kVnniTile = 8;
+// The activations of a projection in the order the VNNI one pass reads them (quant_vnni.cpp
+// says why): tile by tile, the tile of TT tokens from t0 taking digits[t0 * K * D ...] as
+// [NB][8 quads][TT][D digits][4 bytes], and scale[t0 * NB ...] as [NB][TT].
+struct TiledDigits {
+  int8_t* digits;
+  float* scale;
+  int per_value;  // D: 1 or 2
+};
+// Tokens [t_begin, t_end) of x (all T tokens' digits) copied into their tiles.
+void tile_digits(const Int8Digits& x, int64_t T, int64_t K, int64_t t_begin, int64_t t_end,
+                 TiledDigits& out);
 // Where the one pass's integer sums start for a type whose levels carry an offset: per token
-// and sub-block, -offset times the digits' sums over the sub-block (hi, then lo), [T, NB * subs,
-// 2]; left empty for a type without one. Once per projection and type (quant_vnni.cpp).
+// and sub-block, -offset times the digits' sums over the sub-block (hi, then lo), tile by tile
+// as TiledDigits ([NB * subs][TT][2] from 2 * t0 * NB * subs); left empty for a type without
+// one. Once per projection and type (quant_vnni.cpp).
 void offset_starts(Kind kind, const Int8Digits& x, int64_t T, int64_t NB,
                    std::vector<int32_t>& starts);
 // The one pass with integer dot products (quant_vnni.cpp); start: offset_starts' for w's type
 // (nullptr for a type without an offset); sx as above, or with one digit the rounded
 // activations' sums.
-void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const int32_t* start, const float* sx,
+void gemv_vnni(const PackedMatrix& w, const TiledDigits& x, const int32_t* start, const float* sx,
                int64_t T, float* y, int64_t ldy, int64_t g0, int64_t g1);
 // The same activations as one int16 each (quant_avx2_int.cpp): 254 hi + lo, or hi with one
 // digit; values [T, K], scale and rounded_sum [T, NB] as Int8Digits'.

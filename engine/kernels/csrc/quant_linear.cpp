@@ -252,25 +252,30 @@ constexpr int64_t kParallelRoundingValues = 16384;
 
 // x as int8 digits (quant_vnni.cpp), for the integer-dot one pass: one buffer per thread, kept.
 struct Int8Activations {
-  std::vector<int8_t> digits;
-  std::vector<float> scale, rounded_sum;
+  std::vector<int8_t> digits, tiled_digits;
+  std::vector<float> scale, tiled_scale, rounded_sum;
   std::vector<int32_t> sums;
   Int8Digits view;
+  TiledDigits tiled;
   void quantize(const float* x, int64_t T, int64_t K, int num_digits) {
     const int64_t nb = T * K / kBlock;
     digits.resize(num_digits * T * K);
+    tiled_digits.resize(num_digits * T * K);
     scale.resize(nb);
+    tiled_scale.resize(nb);
     rounded_sum.resize(nb);
     sums.resize(2 * num_digits * nb);
     int8_t* lo = num_digits == 2 ? digits.data() + T * K : nullptr;
     int32_t* lo_sum16 = num_digits == 2 ? sums.data() + 2 * nb : nullptr;
     view = {digits.data(), lo, scale.data(), sums.data(), lo_sum16, rounded_sum.data(), num_digits};
+    tiled = {tiled_digits.data(), tiled_scale.data(), num_digits};
     // A batched step's tokens split between the threads: rounded on one, they held the other
     // idle for 2% of a 64-request trace (perf). A few tokens stay on the caller's thread.
     const int64_t min_tokens = std::max<int64_t>(1, kParallelRoundingValues / K);
     at::parallel_for(0, T, min_tokens, [&](int64_t t0, int64_t t1) {
       Int8Digits rows = view.from_token(t0, K);
       quantize_activations(x + t0 * K, t1 - t0, K, rows);
+      tile_digits(view, T, K, t0, t1, tiled);
     });
   }
 };
@@ -319,6 +324,7 @@ void one_pass(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y
     xq.quantize(xp, T, K, digits);
     // A copy: the pool's threads name their own (empty) thread_local, not this one.
     const Int8Digits view = xq.view;
+    const TiledDigits tiled = xq.tiled;
     if (minimum && digits == 1) sp = view.rounded_sum;
     // Each type's start of the integer sums, once for all its parts and row groups.
     static thread_local std::vector<int32_t> starts[kNumKinds];
@@ -333,7 +339,7 @@ void one_pass(const std::vector<Part>& parts, const at::Tensor& x, at::Tensor& y
     }
     parallel_chunks(groups, chunk, [&](int64_t begin, int64_t end) {
       for_part_groups(parts, begin, end, [&](const Part& p, int64_t g0, int64_t g1) {
-        gemv_vnni(p.w, view, start[static_cast<int>(p.w.kind)], sp, T, yp + p.col0, ldy, g0, g1);
+        gemv_vnni(p.w, tiled, start[static_cast<int>(p.w.kind)], sp, T, yp + p.col0, ldy, g0, g1);
       });
     });
     return;

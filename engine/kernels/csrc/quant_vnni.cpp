@@ -115,13 +115,18 @@ constexpr int kLevelOffset = traits(kKind).offset + (traits(kKind).lo_bits == 8 
 // the chain of dependent vpdpbusd a block is for one or two tokens). start: where each token's
 // sums per sub-block begin (offset_starts), nullptr for a type without an offset.
 template <Kind kKind, int TT, int C, int kDigits>
-void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const int32_t* start,
+void gemv_group(const PackedMatrix& w, int64_t g, const TiledDigits& x, const int32_t* start,
                 const float* sx, int64_t t0, float* y, int64_t ldy) {
   constexpr BlockTraits T = traits(kKind);
   constexpr int P = T.per_super(), kQuads = 8 / T.subs;
   constexpr int kOffset = kLevelOffset<kKind>;
   const int64_t K = w.K(), NB = w.NB, NS = NB / P, R = T.record_bytes();
   const uint8_t* end = w.base + w.bytes();
+  // This tile's activations, scales and starts (TiledDigits): each at a constant offset from
+  // one pointer a block, so the unrolled loop below computes no addresses.
+  const int8_t* tile_digits = x.digits + t0 * K * kDigits;
+  const float* tile_scale = x.scale + t0 * NB;
+  const int32_t* tile_start = start ? start + 2 * t0 * NB * T.subs : nullptr;
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   const uint8_t* sup = w.base + g * NS * T.super_bytes();
@@ -136,16 +141,16 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const int
       if (ahead < end) {
         for (int64_t off = 0; off < R; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
       }
-      const int64_t xoff = t0 * K + b * kBlock;
+      const int8_t* xb = tile_digits + b * kBlock * TT * kDigits;
 #pragma GCC unroll 2
       for (int s = 0; s < T.subs; ++s) {
         __m512i hi[TT][C], lo[TT][C];
+        const int32_t* st = tile_start + 2 * (b * T.subs + s) * TT;
         for (int t = 0; t < TT; ++t) {
           for (int c = 0; c < C; ++c) hi[t][c] = lo[t][c] = _mm512_setzero_si512();
           if constexpr (kOffset != 0) {  // the levels were read as u: start at -offset * sum(x)
-            const int32_t* st = start + 2 * (((t0 + t) * NB + b) * T.subs + s);
-            hi[t][0] = _mm512_set1_epi32(st[0]);
-            if constexpr (kDigits == 2) lo[t][0] = _mm512_set1_epi32(st[1]);
+            hi[t][0] = _mm512_set1_epi32(st[2 * t]);
+            if constexpr (kDigits == 2) lo[t][0] = _mm512_set1_epi32(st[2 * t + 1]);
           }
         }
 #pragma GCC unroll 8
@@ -155,12 +160,13 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const int
           const int c = jj % C;
 #pragma GCC unroll 8
           for (int t = 0; t < TT; ++t) {
+            const int8_t* xq = xb + (j * TT + t) * 4 * kDigits;
             int32_t h;
-            __builtin_memcpy(&h, x.hi + xoff + t * K + 4 * j, 4);
+            __builtin_memcpy(&h, xq, 4);
             hi[t][c] = _mm512_dpbusd_epi32(hi[t][c], wq, _mm512_set1_epi32(h));
             if constexpr (kDigits == 2) {
               int32_t l;
-              __builtin_memcpy(&l, x.lo + xoff + t * K + 4 * j, 4);
+              __builtin_memcpy(&l, xq + 4, 4);
               lo[t][c] = _mm512_dpbusd_epi32(lo[t][c], wq, _mm512_set1_epi32(l));
             }
           }
@@ -172,10 +178,9 @@ void gemv_group(const PackedMatrix& w, int64_t g, const Int8Digits& x, const int
             sh = _mm512_add_epi32(sh, hi[t][1]);
             sl = _mm512_add_epi32(sl, lo[t][1]);
           }
-          const int64_t tb = (t0 + t) * NB + b;
           __m512 v = _mm512_cvtepi32_ps(sh);
           if constexpr (kDigits == 2) v = _mm512_fmadd_ps(v, _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(sl));
-          acc[t] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(x.scale[tb])), acc[t]);
+          acc[t] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(tile_scale[b * TT + t])), acc[t]);
         }
       }
       if constexpr (T.min != MinForm::kNone) {
@@ -197,25 +202,29 @@ void offset_starts_kind(const Int8Digits& x, int64_t T, int64_t NB, std::vector<
     return;
   }
   starts.resize(2 * T * NB * BT.subs);
-  int32_t* out = starts.data();
-  for (int64_t tb = 0; tb < T * NB; ++tb) {
-    const int32_t* hs = x.hi_sum16 + 2 * tb;
-    const int32_t* ls = x.digits == 2 ? x.lo_sum16 + 2 * tb : hs;  // lo unused with one digit
-    for (int s = 0; s < BT.subs; ++s, out += 2) {
-      out[0] = -kLevelOffset<kKind> * (BT.subs == 2 ? hs[s] : hs[0] + hs[1]);
-      out[1] = -kLevelOffset<kKind> * (BT.subs == 2 ? ls[s] : ls[0] + ls[1]);
+  for (int64_t t = 0; t < T; ++t) {  // tile by tile, as TiledDigits
+    const int64_t t0 = t / kVnniTile * kVnniTile, TT = std::min<int64_t>(kVnniTile, T - t0);
+    int32_t* tile = starts.data() + 2 * (t0 * NB * BT.subs + (t - t0));
+    for (int64_t b = 0; b < NB; ++b) {
+      const int32_t* hs = x.hi_sum16 + 2 * (t * NB + b);
+      const int32_t* ls = x.digits == 2 ? x.lo_sum16 + 2 * (t * NB + b) : hs;  // lo unused with one digit
+      for (int s = 0; s < BT.subs; ++s) {
+        int32_t* out = tile + 2 * (b * BT.subs + s) * TT;
+        out[0] = -kLevelOffset<kKind> * (BT.subs == 2 ? hs[s] : hs[0] + hs[1]);
+        out[1] = -kLevelOffset<kKind> * (BT.subs == 2 ? ls[s] : ls[0] + ls[1]);
+      }
     }
   }
 }
 
 template <Kind kKind>
-void gemv_kind(const PackedMatrix& w, const Int8Digits& x, const int32_t* start, const float* sx,
+void gemv_kind(const PackedMatrix& w, const TiledDigits& x, const int32_t* start, const float* sx,
                int64_t T, float* y, int64_t ldy, int64_t g0, int64_t g1) {
   // Group-major with tiles of up to 8 tokens, as gemv_avx512.
   for (int64_t g = g0; g < g1; ++g) {
-    token_tiles<8>(T, [&](auto tile, int64_t t0) {
+    token_tiles<kVnniTile>(T, [&](auto tile, int64_t t0) {
       constexpr int TT = decltype(tile)::value;
-      if (x.digits == 1) {
+      if (x.per_value == 1) {
         gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 1>(w, g, x, start, sx, t0, y, ldy);
       } else {
         gemv_group<kKind, TT, (TT <= 2 ? 2 : 1), 2>(w, g, x, start, sx, t0, y, ldy);
@@ -256,12 +265,28 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
   }
 }
 
+void tile_digits(const Int8Digits& x, int64_t T, int64_t K, int64_t t_begin, int64_t t_end,
+                 TiledDigits& out) {
+  const int D = out.per_value;
+  const int64_t NB = K / kBlock;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t t0 = t / kVnniTile * kVnniTile, TT = std::min<int64_t>(kVnniTile, T - t0);
+    int8_t* dst = out.digits + (t0 * K + (t - t0) * 4) * D;
+    for (int64_t q = 0; q < K / 4; ++q) {  // quad q of the token: block q / 8, quad q % 8
+      __builtin_memcpy(dst + q * 4 * TT * D, x.hi + t * K + 4 * q, 4);
+      if (D == 2) __builtin_memcpy(dst + q * 4 * TT * D + 4, x.lo + t * K + 4 * q, 4);
+    }
+    float* scale = out.scale + t0 * NB + (t - t0);
+    for (int64_t b = 0; b < NB; ++b) scale[b * TT] = x.scale[t * NB + b];
+  }
+}
+
 void offset_starts(Kind kind, const Int8Digits& x, int64_t T, int64_t NB,
                    std::vector<int32_t>& starts) {
   with_kind(kind, [&](auto k) { offset_starts_kind<decltype(k)::value>(x, T, NB, starts); });
 }
 
-void gemv_vnni(const PackedMatrix& w, const Int8Digits& x, const int32_t* start, const float* sx,
+void gemv_vnni(const PackedMatrix& w, const TiledDigits& x, const int32_t* start, const float* sx,
                int64_t T, float* y, int64_t ldy, int64_t g0, int64_t g1) {
   with_kind(w.kind, [&](auto kind) {
     gemv_kind<decltype(kind)::value>(w, x, start, sx, T, y, ldy, g0, g1);

@@ -189,8 +189,9 @@ void quantize_activations(const float* x, int64_t T, int64_t K, Int8Digits& out)
 // Tokens the VNNI one pass serves from registers at a time: token_tiles<kVnniTile> cuts T
 // tokens into tiles of 8 and one of the rest.
 constexpr int kVnniTile = 8;
-// The activations of a projection in the order the VNNI one pass reads them (quant_vnni.cpp
-// says why): tile by tile, the tile of TT tokens from t0 taking digits[t0 * K * D ...] as
+// The activations of a projection in the order the VNNI one pass reads them, so that its
+// unrolled loop finds each at a constant offset from one pointer a block (quant_vnni.cpp's
+// gemv_group): tile by tile, the tile of TT tokens from t0 taking digits[t0 * K * D ...] as
 // [NB][8 quads][TT][D digits][4 bytes], and scale[t0 * NB ...] as [NB][TT].
 struct TiledDigits {
   int8_t* digits;
